@@ -1,0 +1,3 @@
+"""gmeta_trainer: part of hf-scale-plugins (see the README for what it provides)."""
+
+__all__: list[str] = []

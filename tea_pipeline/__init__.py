@@ -1,0 +1,3 @@
+"""tea_pipeline: part of hf-scale-plugins (see the README for what it provides)."""
+
+__all__: list[str] = []
