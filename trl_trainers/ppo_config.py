@@ -1,0 +1,184 @@
+"""``PPOConfig``: TRL 1.12's PPO configuration (same field names and defaults), on ``transformers.TrainingArguments``.
+
+TRL removed its PPO trainer after 1.12.0; scripts written for ``trl.experimental.ppo.PPOConfig`` keep working when they
+import this class instead. The fields below the "derived at runtime" heading are filled by the trainer once it knows the
+world size, as TRL does, so a script that reads ``args.batch_size`` after building the trainer still can.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from transformers import TrainingArguments
+
+__all__ = ["PPOConfig"]
+
+
+@dataclass
+class PPOConfig(TrainingArguments):
+    r"""Configuration of :class:`trl_trainers.PPOTrainer`.
+
+    Only PPO-specific parameters are listed; everything else is a :class:`~transformers.TrainingArguments` field.
+
+    > Parameters whose defaults differ from ``TrainingArguments`` (as in TRL)
+
+    learning_rate (3e-6), logging_steps (10), gradient_checkpointing / activation_checkpointing (True),
+    bf16 (True unless ``fp16`` is set).
+
+    > Parameters that control the rollout
+
+    response_length, temperature, stop_token / stop_token_id, missing_eos_penalty, local_rollout_forward_batch_size.
+
+    > Parameters that control the PPO update
+
+    num_ppo_epochs, num_mini_batches, kl_coef, kl_estimator, cliprange, vf_coef, cliprange_value, gamma, lam,
+    whiten_rewards.
+    """
+
+    # TrainingArguments fields whose default TRL overrides.
+    learning_rate: float = field(default=3e-6, metadata={"help": "Initial learning rate for AdamW."})
+    logging_steps: float = field(
+        default=10,
+        metadata={"help": "Log every X updates (PPO iterations); a float in [0, 1) is a ratio of the total."},
+    )
+    # TRL's `gradient_checkpointing=True` default; transformers 5.2x renamed the field `activation_checkpointing` and
+    # keeps `gradient_checkpointing` as an alias, so the default lives on the new name and the old one maps onto it.
+    activation_checkpointing: bool | None = field(
+        default=True,
+        metadata={"help": "Trade compute for memory with activation (gradient) checkpointing in policy and value."},
+    )
+    bf16: bool | None = field(
+        default=None,
+        metadata={"help": "Use bf16 autocast. If not set, defaults to True unless `fp16` is set (as in TRL)."},
+    )
+
+    dataset_num_proc: int | None = field(
+        default=None, metadata={"help": "Number of processes to use for processing the dataset."}
+    )
+    num_mini_batches: int = field(default=1, metadata={"help": "Number of minibatches to split a batch into."})
+    total_episodes: int | None = field(
+        default=None,
+        metadata={"help": "Total number of episodes (sampled prompts); defaults to num_train_epochs * len(dataset)."},
+    )
+    local_rollout_forward_batch_size: int = field(
+        default=64, metadata={"help": "Per-rank chunk size of the no-grad generation and forward passes."}
+    )
+    num_sample_generations: int = field(
+        default=10,
+        metadata={"help": "Number of `generate_completions` calls during training (0 disables them)."},
+    )
+    response_length: int = field(default=53, metadata={"help": "Number of tokens to generate per response."})
+    stop_token: Literal["eos"] | None = field(
+        default=None,
+        metadata={"help": "'eos' truncates responses after the tokenizer's EOS; exclusive with `stop_token_id`."},
+    )
+    stop_token_id: int | None = field(
+        default=None,
+        metadata={"help": "Token id after which responses are truncated; exclusive with `stop_token`."},
+    )
+    temperature: float = field(default=0.7, metadata={"help": "Sampling temperature."})
+    missing_eos_penalty: float | None = field(
+        default=None,
+        metadata={"help": "Subtracted from the score of responses without an EOS token (a positive value)."},
+    )
+    sft_model_path: str = field(
+        default="EleutherAI/pythia-160m", metadata={"help": "Path to the SFT model (used by example scripts)."}
+    )
+    world_size: int | None = field(
+        default=None, metadata={"help": "Number of processes; set by the trainer at runtime."}
+    )
+    num_total_batches: int | None = field(
+        default=None, metadata={"help": "Number of PPO iterations; set by the trainer at runtime."}
+    )
+    micro_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "per_device_train_batch_size * world_size; set by the trainer at runtime."},
+    )
+    local_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "per_device_train_batch_size * gradient_accumulation_steps; set by the trainer."},
+    )
+    batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Global rollout batch (local_batch_size * world_size); set by the trainer at runtime."},
+    )
+    local_mini_batch_size: int | None = field(
+        default=None, metadata={"help": "Per-rank mini-batch size; set by the trainer at runtime."}
+    )
+    mini_batch_size: int | None = field(
+        default=None, metadata={"help": "Global mini-batch size; set by the trainer at runtime."}
+    )
+    push_to_hub: bool = field(default=False, metadata={"help": "Whether to push the model to the Hub after training."})
+    reward_model_path: str = field(
+        default="EleutherAI/pythia-160m",
+        metadata={"help": "Path to the reward model (used by example scripts)."},
+    )
+    model_adapter_name: str | None = field(
+        default=None, metadata={"help": "Name of the trained PEFT adapter when the model holds several."}
+    )
+    ref_adapter_name: str | None = field(
+        default=None, metadata={"help": "Name of the PEFT adapter that acts as reference model, if any."}
+    )
+    num_ppo_epochs: int = field(default=4, metadata={"help": "Number of PPO epochs over each rollout batch."})
+    whiten_rewards: bool = field(default=False, metadata={"help": "Whether to whiten the per-token rewards."})
+    kl_coef: float = field(default=0.05, metadata={"help": "KL penalty coefficient."})
+    kl_estimator: Literal["k1", "k3"] = field(
+        default="k1",
+        metadata={"help": "KL estimator: 'k1' (log-ratio, unbiased) or 'k3' (lower variance, unbiased)."},
+    )
+    cliprange: float = field(default=0.2, metadata={"help": "Clip range of the policy ratio."})
+    vf_coef: float = field(default=0.1, metadata={"help": "Value loss coefficient."})
+    cliprange_value: float = field(default=0.2, metadata={"help": "Clip range of the value function."})
+    gamma: float = field(default=1.0, metadata={"help": "Discount factor."})
+    lam: float = field(default=0.95, metadata={"help": "Lambda of GAE."})
+    ds3_gather_for_generation: bool = field(
+        default=True,
+        metadata={
+            "help": "Under DeepSpeed ZeRO-3, gather the policy weights once for generation. Accepted for script "
+            "compatibility; this trainer does not shard the policy, so it has no effect here."
+        },
+    )
+
+    def __post_init__(self):
+        # As in TRL: bf16 by default unless fp16 was asked for.
+        self.bf16 = not self.fp16 if self.bf16 is None else self.bf16
+        if self.gradient_checkpointing is not None:  # TRL scripts pass the old name: it wins over our default
+            self.activation_checkpointing = self.gradient_checkpointing
+            self.gradient_checkpointing = None
+        super().__post_init__()
+        if self.stop_token is not None and self.stop_token != "eos":
+            raise ValueError(
+                f"stop_token={self.stop_token!r} is not supported: use 'eos' (the tokenizer's EOS) or None, "
+                "or give a token id through `stop_token_id`."
+            )
+        if self.stop_token is not None and self.stop_token_id is not None:
+            raise ValueError(
+                f"stop_token={self.stop_token!r} and stop_token_id={self.stop_token_id} are both set; they are "
+                "mutually exclusive. Keep one of them."
+            )
+        if self.kl_estimator not in ("k1", "k3"):
+            raise ValueError(
+                f"kl_estimator={self.kl_estimator!r} is not supported: use 'k1' (straightforward, unbiased) or 'k3' "
+                "(lower variance, unbiased). See http://joschu.net/blog/kl-approx.html."
+            )
+        positive = {
+            "num_mini_batches": self.num_mini_batches,
+            "num_ppo_epochs": self.num_ppo_epochs,
+            "response_length": self.response_length,
+            "local_rollout_forward_batch_size": self.local_rollout_forward_batch_size,
+        }
+        for name, value in positive.items():
+            if value < 1:
+                raise ValueError(f"{name}={value} must be a positive integer.")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature={self.temperature} must be > 0 (sampling needs a positive temperature).")
+        if self.total_episodes is not None and self.total_episodes < 1:
+            raise ValueError(f"total_episodes={self.total_episodes} must be >= 1 (or None for epochs * dataset size).")
+        if self.missing_eos_penalty is not None and self.missing_eos_penalty < 0:
+            raise ValueError(
+                f"missing_eos_penalty={self.missing_eos_penalty} must be a positive value: it is subtracted from the "
+                "score of responses without EOS."
+            )
+        if self.num_sample_generations < 0:
+            raise ValueError(f"num_sample_generations={self.num_sample_generations} must be >= 0.")
