@@ -132,6 +132,15 @@ class PPOConfig(TrainingArguments):
     cliprange_value: float = field(default=0.2, metadata={"help": "Clip range of the value function."})
     gamma: float = field(default=1.0, metadata={"help": "Discount factor."})
     lam: float = field(default=0.95, metadata={"help": "Lambda of GAE."})
+    loss_normalization: Literal["micro_batch", "mini_batch"] = field(
+        default="micro_batch",
+        metadata={
+            "help": "(trl_trainers extension) 'micro_batch' (TRL): each micro-batch loss is a mean over its own "
+            "tokens and gradients are averaged over micro-batches and ranks. 'mini_batch': losses are sums divided by "
+            "the token count of the whole mini-batch over all ranks, so the update does not depend on how the "
+            "mini-batch is split into micro-batches or ranks even when responses have different lengths."
+        },
+    )
     ds3_gather_for_generation: bool = field(
         default=True,
         metadata={
@@ -161,6 +170,11 @@ class PPOConfig(TrainingArguments):
             raise ValueError(
                 f"kl_estimator={self.kl_estimator!r} is not supported: use 'k1' (straightforward, unbiased) or 'k3' "
                 "(lower variance, unbiased). See http://joschu.net/blog/kl-approx.html."
+            )
+        if self.loss_normalization not in ("micro_batch", "mini_batch"):
+            raise ValueError(
+                f"loss_normalization={self.loss_normalization!r} is not supported: use 'micro_batch' (TRL's) or "
+                "'mini_batch' (split-invariant)."
             )
         positive = {
             "num_mini_batches": self.num_mini_batches,

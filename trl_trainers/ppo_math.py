@@ -74,6 +74,12 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     return (values * mask).sum(dim) / mask.sum(dim)
 
 
+def _masked_sum_or_mean(values: torch.Tensor, mask: torch.Tensor, normalizer) -> torch.Tensor:
+    if normalizer is None:
+        return masked_mean(values, mask)
+    return (values * mask.to(values.dtype)).sum() / normalizer
+
+
 def _masked_moments(
     values: torch.Tensor, mask: torch.Tensor, all_reduce: AllReduce | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -203,15 +209,18 @@ def policy_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     cliprange: float,
+    normalizer: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO clipped surrogate (as a loss to minimise): masked mean of ``max(-A r, -A clip(r, 1-c, 1+c))``.
 
+    ``normalizer`` replaces the local count of valid tokens as denominator (e.g. the token count of a whole mini-batch
+    over all ranks, which makes the summed gradient independent of how the mini-batch is split).
     Returns ``(loss, clip_fraction, ratio)``; ``clip_fraction`` is the share of valid tokens where clipping was active.
     """
     ratio = torch.exp(new_logprobs - old_logprobs)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
+    loss = _masked_sum_or_mean(torch.maximum(unclipped, clipped), mask, normalizer)
     clip_fraction = masked_mean((clipped > unclipped).to(ratio.dtype), mask)
     return loss, clip_fraction.detach(), ratio
 
@@ -222,15 +231,16 @@ def value_loss(
     returns: torch.Tensor,
     mask: torch.Tensor,
     cliprange_value: float,
+    normalizer: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped value loss: ``0.5 * masked_mean(max((V - R)^2, (clip(V, V_old +- c) - R)^2))``.
 
-    Returns ``(loss, clip_fraction)``.
+    ``normalizer`` as in :func:`policy_loss`. Returns ``(loss, clip_fraction)``.
     """
     clipped_values = torch.clamp(new_values, old_values - cliprange_value, old_values + cliprange_value)
     unclipped_err = (new_values - returns) ** 2
     clipped_err = (clipped_values - returns) ** 2
-    loss = 0.5 * masked_mean(torch.maximum(unclipped_err, clipped_err), mask)
+    loss = 0.5 * _masked_sum_or_mean(torch.maximum(unclipped_err, clipped_err), mask, normalizer)
     clip_fraction = masked_mean((clipped_err > unclipped_err).to(new_values.dtype), mask)
     return loss, clip_fraction.detach()
 

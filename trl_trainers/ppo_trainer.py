@@ -496,6 +496,12 @@ class PPOTrainer:
             for mb, start in enumerate(range(0, args.local_batch_size, args.local_mini_batch_size)):
                 mini = order[start : start + args.local_mini_batch_size]
                 self.optimizer.zero_grad(set_to_none=True)
+                tok_norm = val_norm = None
+                if args.loss_normalization == "mini_batch":
+                    # Global token counts of this mini-batch; x world_size because gradients are averaged over ranks.
+                    counts = torch.stack([exp.token_mask[mini].sum(), exp.value_mask[mini].sum()]).double()
+                    counts = self.dist.all_reduce_sum(counts) / self.dist.world_size
+                    tok_norm, val_norm = counts[0].float(), counts[1].float()
                 for k, mstart in enumerate(range(0, args.local_mini_batch_size, micro)):
                     idx = mini[mstart : mstart + micro].to(self.device)
                     token_mask, value_mask = exp.token_mask[idx], exp.value_mask[idx]
@@ -508,17 +514,21 @@ class PPOTrainer:
                     new_logprobs = new_logprobs.masked_fill(~token_mask, pm.INVALID_LOGPROB)
                     vpred = vpred.masked_fill(~value_mask, 0.0)
                     vf_loss, vf_clipfrac = pm.value_loss(
-                        vpred, exp.values[idx], exp.returns[idx], value_mask, args.cliprange_value)
+                        vpred, exp.values[idx], exp.returns[idx], value_mask, args.cliprange_value, val_norm)
                     pg_loss, pg_clipfrac, ratio = pm.policy_loss(
-                        new_logprobs, exp.logprobs[idx], exp.advantages[idx], token_mask, args.cliprange)
+                        new_logprobs, exp.logprobs[idx], exp.advantages[idx], token_mask, args.cliprange, tok_norm)
                     loss = pg_loss + args.vf_coef * vf_loss
-                    (loss / accum).backward()
+                    (loss if tok_norm is not None else loss / accum).backward()
                     with torch.no_grad():
                         at = (epoch, mb, k)
                         stats["approxkl"][at] = pm.approx_kl(new_logprobs, exp.logprobs[idx])
                         stats["pg_clipfrac"][at] = pg_clipfrac
-                        stats["pg_loss"][at] = pg_loss.detach()
-                        stats["vf_loss"][at] = vf_loss.detach()
+                        if tok_norm is None:
+                            stats["pg_loss"][at] = pg_loss.detach()
+                            stats["vf_loss"][at] = vf_loss.detach()
+                        else:  # report the micro-batch mean either way
+                            stats["pg_loss"][at] = pg_loss.detach() * tok_norm / token_mask.sum()
+                            stats["vf_loss"][at] = vf_loss.detach() * val_norm / value_mask.sum()
                         stats["vf_clipfrac"][at] = vf_clipfrac
                         stats["entropy"][at] = pm.entropy_from_logits(logits.detach()).mean()
                         stats["ratio"][at] = ratio.detach().mean()
