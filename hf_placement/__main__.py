@@ -1,0 +1,158 @@
+"""``python -m hf_placement plan``: rank RLHF placement strategies by predicted iteration time under a memory cap.
+
+Example::
+
+    python -m hf_placement plan --actor-params 26M --devices 2 --memory-cap 38x \\
+        --batch-size 16 --prompt-len 16 --response-len 32 --output plan.json
+
+``--memory-cap`` takes bytes with a unit (``900MB``, ``1.5GiB``) or a multiple of the actor's parameter count with an
+``x`` suffix (``38x`` = 38 bytes per actor parameter, the §4.5 table's unit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+from .cost_model import Calibration, Hardware, Workload, rank_plans, to_jsonable
+
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40}
+_COUNT = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def parse_count(text: str) -> float:
+    """``26M`` -> 26e6, ``7B`` -> 7e9, ``3.7e6`` -> 3.7e6."""
+    m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([kKmMbBgGtT]?)\s*", str(text))
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a parameter count (e.g. 26M, 7B, 3.7e6).")
+    try:
+        return float(m.group(1)) * _COUNT[m.group(2).lower()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a parameter count (e.g. 26M, 7B, 3.7e6).") from None
+
+
+def parse_bytes(text: str) -> float:
+    """``900MB`` -> 9e8, ``1.5GiB`` -> 1.5·2^30, ``2e9`` -> 2e9."""
+    m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a byte size (e.g. 900MB, 1.5GiB, 2e9).")
+    try:
+        return float(m.group(1)) * _UNITS[m.group(2).lower()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a byte size (e.g. 900MB, 1.5GiB, 2e9).") from None
+
+
+def _cap(text: str | None, actor_params: float) -> float | None:
+    if text is None:
+        return None
+    if str(text).strip().lower().endswith("x"):
+        try:
+            return float(str(text).strip()[:-1]) * actor_params
+        except ValueError:
+            raise SystemExit(f"--memory-cap {text!r}: expected bytes (900MB) or bytes per actor parameter (38x).") \
+                from None
+    return parse_bytes(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m hf_placement", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="rank placement strategies with the cost model",
+                       description="Rank co-located / co-located-sharded / interleaved / disaggregated placements of "
+                                   "the four PPO models by predicted iteration time, with model-state memory per "
+                                   "device; plans over --memory-cap are marked and ranked last.")
+    g = p.add_argument_group("models")
+    g.add_argument("--actor-params", type=parse_count, required=True, help="actor parameters (e.g. 26M, 7B)")
+    g.add_argument("--critic-params", type=parse_count, help="critic parameters (default: actor)")
+    g.add_argument("--ref-params", type=parse_count, help="reference parameters (default: actor)")
+    g.add_argument("--reward-params", type=parse_count, help="reward parameters (default: critic)")
+    g.add_argument("--lora-fraction", type=float, help="adapter params / model params when training LoRA")
+    g.add_argument("--num-layers", type=int, help="actor layers (KV cache); derived from size if unset")
+    g.add_argument("--hidden-size", type=int, help="actor hidden size (KV cache); derived if unset")
+    g = p.add_argument_group("workload")
+    g.add_argument("--batch-size", type=int, default=16, help="sequences per iteration (default 16)")
+    g.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (default 16)")
+    g.add_argument("--response-len", type=int, default=32, help="generated tokens (default 32)")
+    g.add_argument("--ppo-epochs", type=int, default=1, help="PPO epochs (default 1)")
+    g.add_argument("--micro-batches", type=int, default=4, help="micro-batches / pipeline depth (default 4)")
+    g = p.add_argument_group("hardware")
+    g.add_argument("--hardware", choices=("cpu", "gpu"), default="cpu",
+                   help="constant set: cpu (one core per rank, fp32) or gpu (H100-class, bf16)")
+    g.add_argument("--devices", type=int, required=True, help="number of devices (ranks)")
+    g.add_argument("--memory-cap", help="per-device model-state cap: bytes (900MB, 80GB) or per actor param (38x)")
+    g.add_argument("--link-bandwidth", type=parse_bytes, help="intra-node link bandwidth, bytes/s (e.g. 2GB)")
+    g.add_argument("--inter-link-bandwidth", type=parse_bytes, help="inter-node link bandwidth, bytes/s")
+    g.add_argument("--devices-per-node", type=int, help="devices per node")
+    g.add_argument("--peak-flops", type=float, help="peak FLOP/s per device")
+    g.add_argument("--mem-bandwidth", type=parse_bytes, help="memory bandwidth per device, bytes/s")
+    g = p.add_argument_group("calibration (measured on one device, whole batch)")
+    g.add_argument("--measured-generate-s", type=float, help="measured generation time, seconds")
+    g.add_argument("--measured-inference-s", type=float, help="measured time of the four experience forwards")
+    g.add_argument("--measured-train-s", type=float, help="measured actor+critic training time")
+    p.add_argument("--output", type=Path, help="write the ranking as JSON here")
+    return parser
+
+
+def format_table(ranking: list, actor_params: float) -> str:
+    cols = ("#", "plan", "s/iter", "samples/s", "gen s", "inf s", "train s", "sync s", "max GB/dev", "B/param",
+            "fits cap")
+    rows = []
+    for i, e in enumerate(ranking, 1):
+        rows.append((str(i), e.name, f"{e.time_s:.3f}", f"{e.samples_per_s:.2f}", f"{e.phases['generate']:.3f}",
+                     f"{e.phases['inference']:.3f}", f"{e.phases['train']:.3f}", f"{e.phases['sync']:.3f}",
+                     f"{e.memory_max_bytes / 1e9:.3f}", f"{e.memory_max_bytes / actor_params:.1f}",
+                     "yes" if e.fits else "NO (must shard)"))
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    line = lambda r: "  ".join(v.ljust(w) for v, w in zip(r, widths))
+    return "\n".join([line(cols), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    try:
+        workload = Workload(actor_params=args.actor_params, critic_params=args.critic_params,
+                            ref_params=args.ref_params, reward_params=args.reward_params,
+                            batch_size=args.batch_size, prompt_len=args.prompt_len, response_len=args.response_len,
+                            ppo_epochs=args.ppo_epochs, micro_batches=args.micro_batches, num_layers=args.num_layers,
+                            hidden_size=args.hidden_size, lora_fraction=args.lora_fraction)
+        overrides = {k: v for k, v in {"link_bandwidth": args.link_bandwidth,
+                                       "inter_link_bandwidth": args.inter_link_bandwidth,
+                                       "devices_per_node": args.devices_per_node, "peak_flops": args.peak_flops,
+                                       "mem_bandwidth": args.mem_bandwidth}.items() if v is not None}
+        overrides["memory_cap_bytes"] = _cap(args.memory_cap, args.actor_params)
+        factory = Hardware.cpu if args.hardware == "cpu" else Hardware.gpu
+        hardware = factory(args.devices, **overrides)
+        calibration = None
+        if any(v is not None for v in (args.measured_generate_s, args.measured_inference_s, args.measured_train_s)):
+            calibration = Calibration(generate_s=args.measured_generate_s, inference_s=args.measured_inference_s,
+                                      train_s=args.measured_train_s)
+        ranking = rank_plans(workload, hardware, calibration)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    cap = hardware.memory_cap_bytes
+    print(f"{hardware.name} x{hardware.devices}, {hardware.precision}, cap "
+          f"{'none' if cap is None else f'{cap / 1e9:.3f} GB ({cap / args.actor_params:.1f} B/actor param)'}; "
+          f"batch {workload.batch_size}, prompt {workload.prompt_len}, response {workload.response_len}")
+    print(format_table(ranking, args.actor_params))
+    best = next((e for e in ranking if e.fits), None)
+    print(f"best: {best.name if best else 'none fits the cap'}")
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(to_jsonable(workload, hardware, calibration, ranking), indent=2) + "\n")
+        print(f"wrote {args.output}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "plan":
+        return cmd_plan(args)
+    return 2  # argparse enforces a known command
+
+
+if __name__ == "__main__":
+    sys.exit(main())

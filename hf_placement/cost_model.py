@@ -1,0 +1,382 @@
+"""The placement planner: a pure cost model of one PPO iteration per placement plan (`rlhf_placement.md` §4.6).
+
+Inputs are a `Workload` (model sizes, global batch ``S`` of sequences with prompt ``p`` and response ``r`` tokens, PPO
+epochs, micro-batches ``K``), a `Hardware` description (devices, per-device memory cap, peak FLOP/s ``F``, memory
+bandwidth ``W``, link bandwidth ``β`` and latency ``α``, efficiencies, a fixed overhead per model call) and an
+optional `Calibration` (phase times measured on one device for the whole batch, which rescale the analytic phase
+costs). `estimate` prices one `PlacementPlan`; `rank_plans` prices the candidate strategies (co-located, co-located
+sharded, interleaved, interleaved sharded, disaggregated for every train/inference split) and ranks them: plans
+within the memory cap first, by predicted iteration time.
+
+Phase costs (per device, batch ``b`` on that device, model of ``Φ`` parameters, ``w`` bytes per weight):
+
+- generation: prefill ``2Φ·b·p/(F·η_i)`` + ``r`` decode steps of ``max((w·Φ + KV)/W, 2Φ·b/(F·η_i)) + o``;
+- experience forward of model ``m``: ``2Φ_m·b·(p+r)/(F·η_i) + K·o``;
+- training (actor + critic): ``c·(Φ_a+Φ_c)·b·(p+r)·epochs/(F·η) + 3·K·epochs·o`` (``c`` = 6, or 8 with
+  recomputation) + optimizer steps ``16·Φ·…/W``;
+- collectives over ``n`` ranks: all-reduce ``2(n-1)/n·B/β + 2(n-1)α``, all-gather ``(n-1)/n·B/β + (n-1)α``,
+  broadcast / point-to-point ``B/β + α``.
+
+Plans:
+
+- not disaggregated: ``T = T_gen + T_inf + T_train``; ref and reward on disjoint owner sets run concurrently
+  (``max`` instead of sum), each on ``S / owners`` sequences; a sharded role pays an all-gather of its weights on its
+  group per forward chunk (``K`` per phase, forward and backward in training) and generation gathers the actor once;
+- disaggregated with ``n_inf`` inference and ``n_train`` training ranks: ``A = T_gen + T_inf`` on the inference group,
+  ``B = T_train`` on the trainers, pipelined over ``K`` micro-batches for the first PPO epoch:
+  ``T = max(A, B₁) + min(A, B₁)/K + (B - B₁) + T_sync + T_experience``, with ``T_sync`` a broadcast of the actor and
+  critic weights (or only LoRA adapters).
+
+Memory per device is the analytic model state of `hf_placement.memory` (the §4.5 table); a plan whose largest rank
+exceeds ``Hardware.memory_cap_bytes`` is marked over the cap and ranked after every plan that fits.
+
+The CPU constant set describes one core of this kind of machine; `Calibration` replaces guesses by measurements.
+Validation of the CPU instantiation against measured runs needs the PPO executors (not part of this module).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .memory import ModelSizes, model_state_bytes
+from .plan import PlacementPlan
+
+__all__ = ["Calibration", "Hardware", "PlanEstimate", "Workload", "candidate_plans", "estimate", "rank_plans"]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One PPO iteration: sizes of the four models and the batch shape."""
+
+    actor_params: float = field(metadata={"help": "Actor parameters (Φ_a)."})
+    critic_params: float | None = field(default=None, metadata={"help": "Critic parameters; defaults to actor."})
+    ref_params: float | None = field(default=None, metadata={"help": "Reference parameters; defaults to actor."})
+    reward_params: float | None = field(default=None, metadata={"help": "Reward parameters; defaults to critic."})
+    batch_size: int = field(default=16, metadata={"help": "Sequences per iteration (global batch S)."})
+    prompt_len: int = field(default=16, metadata={"help": "Prompt tokens p."})
+    response_len: int = field(default=32, metadata={"help": "Generated tokens r."})
+    ppo_epochs: int = field(default=1, metadata={"help": "PPO epochs over the batch."})
+    micro_batches: int = field(default=4, metadata={"help": "Micro-batches K (forward chunks, pipeline depth)."})
+    num_layers: int | None = field(default=None, metadata={"help": "Layers L (KV cache); derived from Φ if unset."})
+    hidden_size: int | None = field(default=None, metadata={"help": "Hidden size h (KV cache); derived if unset."})
+    lora_fraction: float | None = field(default=None, metadata={"help": "Adapter params / model params with LoRA."})
+    train_flops_factor: float = field(default=6.0, metadata={"help": "FLOPs per param per token in training (6, "
+                                                                     "or 8 with activation recomputation)."})
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "prompt_len", "response_len", "ppo_epochs", "micro_batches"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"Workload.{name}={v!r} must be a positive integer.")
+        if self.micro_batches > self.batch_size:
+            raise ValueError(f"Workload.micro_batches={self.micro_batches} exceeds batch_size={self.batch_size}; a "
+                             "micro-batch holds at least one sequence.")
+        _ = self.sizes  # validates the parameter counts
+
+    @property
+    def sizes(self) -> ModelSizes:
+        return ModelSizes(actor=self.actor_params, critic=self.critic_params, ref=self.ref_params,
+                          reward=self.reward_params, lora_fraction=self.lora_fraction)
+
+    def shape(self) -> tuple[int, int]:
+        """(layers, hidden) of the actor: given, or from Φ ≈ 12·L·h² with h ≈ 100·L (GPT/Llama-like aspect)."""
+        phi = self.sizes.actor
+        if self.num_layers and self.hidden_size:
+            return self.num_layers, self.hidden_size
+        if self.num_layers:
+            return self.num_layers, max(1, int(math.sqrt(phi / (12 * self.num_layers))))
+        layers = max(1, round((phi / 1.2e5) ** (1 / 3)))
+        return layers, self.hidden_size or max(1, int(math.sqrt(phi / (12 * layers))))
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Devices and links. Use `Hardware.cpu` / `Hardware.gpu` for the constant sets."""
+
+    devices: int = field(metadata={"help": "Number of devices (ranks)."})
+    memory_cap_bytes: float | None = field(default=None, metadata={"help": "Per-device model-state cap (bytes)."})
+    peak_flops: float = field(default=1e11, metadata={"help": "Peak FLOP/s per device (F)."})
+    mem_bandwidth: float = field(default=5e9, metadata={"help": "Memory bandwidth per device, bytes/s (W)."})
+    link_bandwidth: float = field(default=1e9, metadata={"help": "Intra-node link bandwidth, bytes/s (β)."})
+    inter_link_bandwidth: float | None = field(default=None, metadata={"help": "Inter-node bandwidth; default β."})
+    devices_per_node: int | None = field(default=None, metadata={"help": "Devices per node (for inter links)."})
+    link_latency_s: float = field(default=3e-4, metadata={"help": "Per-message latency (α), seconds."})
+    mfu_train: float = field(default=0.5, metadata={"help": "Training efficiency η (fraction of F)."})
+    mfu_infer: float = field(default=0.5, metadata={"help": "Inference efficiency η_i (fraction of F)."})
+    call_overhead_s: float = field(default=5e-3, metadata={"help": "Fixed cost per model call / decode step (o)."})
+    precision: str = field(default="fp32", metadata={"help": "'fp32' (CPU) or 'bf16' (GPU mixed precision)."})
+    name: str = field(default="custom", metadata={"help": "Label of the constant set."})
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.devices, int) or self.devices < 1:
+            raise ValueError(f"Hardware.devices={self.devices!r} must be a positive integer.")
+        for f in ("peak_flops", "mem_bandwidth", "link_bandwidth", "mfu_train", "mfu_infer"):
+            if not getattr(self, f) > 0:
+                raise ValueError(f"Hardware.{f}={getattr(self, f)!r} must be positive.")
+        if self.memory_cap_bytes is not None and not self.memory_cap_bytes > 0:
+            raise ValueError(f"Hardware.memory_cap_bytes={self.memory_cap_bytes!r} must be positive (or None).")
+        if self.precision not in ("fp32", "bf16"):
+            raise ValueError(f"Hardware.precision={self.precision!r} must be 'fp32' or 'bf16'.")
+
+    @classmethod
+    def cpu(cls, devices: int, **overrides: Any) -> Hardware:
+        """One CPU core per rank, fp32 + Adam, gloo on loopback.
+
+        Set from the single-core phase times of `rlhf_placement.md` §4.5 (GPT-2 3.7 M / 26 M, batch 8, 16 + 32
+        tokens: ~50 GFLOP/s effective, ~30 ms per 26 M decode step) and gloo on loopback (~0.3 ms latency; 2 GB/s
+        broadcast but much slower all-gathers, hence 1 GB/s). Calibrate with measured times for another machine.
+        """
+        base = dict(peak_flops=1e11, mem_bandwidth=5e9, link_bandwidth=1e9, link_latency_s=3e-4, mfu_train=0.5,
+                    mfu_infer=0.5, call_overhead_s=5e-3, precision="fp32", name="cpu")
+        base.update(overrides)
+        return cls(devices=devices, **base)
+
+    @classmethod
+    def gpu(cls, devices: int, **overrides: Any) -> Hardware:
+        """H100-class GPUs, bf16 mixed precision, NVLink inside a node of 8, 400 Gb/s InfiniBand between nodes."""
+        base = dict(peak_flops=989e12, mem_bandwidth=3.35e12, link_bandwidth=450e9, inter_link_bandwidth=50e9,
+                    devices_per_node=8, link_latency_s=1e-5, mfu_train=0.4, mfu_infer=0.3, call_overhead_s=2e-4,
+                    precision="bf16", name="gpu")
+        base.update(overrides)
+        return cls(devices=devices, **base)
+
+    @property
+    def weight_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+    def bandwidth(self, ranks: list[int]) -> float:
+        """β of a group: inter-node bandwidth when it spans nodes."""
+        if self.devices_per_node and self.inter_link_bandwidth and len({r // self.devices_per_node
+                                                                        for r in ranks}) > 1:
+            return self.inter_link_bandwidth
+        return self.link_bandwidth
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured phase times on ONE device for the whole global batch of the workload (seconds), and measured link
+    figures. Each given phase time rescales that phase's analytic compute cost by measured / predicted."""
+
+    generate_s: float | None = field(default=None, metadata={"help": "Generation of the whole batch, one device."})
+    inference_s: float | None = field(default=None, metadata={"help": "All four experience forwards, one device."})
+    train_s: float | None = field(default=None, metadata={"help": "Actor+critic training, one device."})
+
+    def __post_init__(self) -> None:
+        for f in ("generate_s", "inference_s", "train_s"):
+            v = getattr(self, f)
+            if v is not None and not v > 0:
+                raise ValueError(f"Calibration.{f}={v!r} must be a positive number of seconds.")
+
+
+@dataclass
+class PlanEstimate:
+    """Predicted iteration time and memory of one plan."""
+
+    name: str
+    plan: PlacementPlan
+    time_s: float
+    phases: dict[str, float]
+    memory_per_rank: dict[int, float]
+    fits: bool
+    samples_per_s: float
+    notes: str = ""
+
+    @property
+    def memory_max_bytes(self) -> float:
+        return max(self.memory_per_rank.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "strategy": self.plan.strategy, "plan": self.plan.to_dict(),
+                "time_s": self.time_s, "samples_per_s": self.samples_per_s, "phases": self.phases,
+                "memory_max_bytes": self.memory_max_bytes,
+                "memory_per_rank": {str(k): v for k, v in self.memory_per_rank.items()}, "fits": self.fits,
+                "notes": self.notes}
+
+
+class _Costs:
+    """Phase cost functions for one workload on one hardware (calibration scales applied)."""
+
+    def __init__(self, w: Workload, hw: Hardware, cal: Calibration | None):
+        self.w, self.hw = w, hw
+        self.sizes = w.sizes
+        self.layers, self.hidden = w.shape()
+        self.scale = {"generate": 1.0, "inference": 1.0, "train": 1.0}
+        if cal is not None:
+            S = float(w.batch_size)
+            if cal.generate_s:
+                self.scale["generate"] = cal.generate_s / self._gen(S)
+            if cal.inference_s:
+                ref = sum(self._fwd(self.sizes.params(m), S) for m in ("actor", "critic", "ref", "reward"))
+                self.scale["inference"] = cal.inference_s / ref
+            if cal.train_s:
+                self.scale["train"] = cal.train_s / self._train(S)
+
+    # raw (unscaled) compute costs
+    def _gen(self, b: float, tp: int = 1) -> float:
+        w, hw = self.w, self.hw
+        phi = self.sizes.actor
+        wb = hw.weight_bytes
+        prefill = 2 * phi * b * w.prompt_len / (hw.peak_flops * hw.mfu_infer) + hw.call_overhead_s
+        ctx = w.prompt_len + w.response_len / 2
+        kv = 2 * self.layers * self.hidden * ctx * b * wb
+        step = max((wb * phi / tp + kv / tp) / hw.mem_bandwidth, 2 * phi * b / (tp * hw.peak_flops * hw.mfu_infer))
+        return prefill + w.response_len * (step + hw.call_overhead_s)
+
+    def _fwd(self, phi: float, b: float) -> float:
+        w, hw = self.w, self.hw
+        chunks = min(w.micro_batches, max(1, math.ceil(b)))
+        return 2 * phi * b * (w.prompt_len + w.response_len) / (hw.peak_flops * hw.mfu_infer) \
+            + chunks * hw.call_overhead_s
+
+    def _train(self, b: float) -> float:
+        w, hw = self.w, self.hw
+        phi = self.sizes.actor + self.sizes.critic
+        trainable = phi * (w.lora_fraction or 1.0)
+        tokens = b * (w.prompt_len + w.response_len) * w.ppo_epochs
+        steps = w.ppo_epochs
+        micro = min(w.micro_batches, max(1, math.ceil(b))) * w.ppo_epochs
+        return (w.train_flops_factor * phi * tokens / (hw.peak_flops * hw.mfu_train)
+                + steps * 16 * trainable * 2 / hw.mem_bandwidth + 3 * micro * hw.call_overhead_s)
+
+    # scaled compute
+    def gen(self, b: float, tp: int = 1) -> float:
+        return self.scale["generate"] * self._gen(b, tp)
+
+    def fwd(self, role: str, b: float) -> float:
+        return self.scale["inference"] * self._fwd(self.sizes.params(role), b)
+
+    def train(self, b: float) -> float:
+        return self.scale["train"] * self._train(b)
+
+    # communication
+    def all_reduce(self, nbytes: float, ranks: list[int]) -> float:
+        n = len(ranks)
+        if n <= 1:
+            return 0.0
+        return 2 * (n - 1) / n * nbytes / self.hw.bandwidth(ranks) + 2 * (n - 1) * self.hw.link_latency_s
+
+    def all_gather(self, nbytes: float, ranks: list[int]) -> float:
+        n = len(ranks)
+        if n <= 1:
+            return 0.0
+        return (n - 1) / n * nbytes / self.hw.bandwidth(ranks) + (n - 1) * self.hw.link_latency_s
+
+    def p2p(self, nbytes: float, ranks: list[int]) -> float:
+        return nbytes / self.hw.bandwidth(ranks) + self.hw.link_latency_s
+
+    def weights(self, role: str) -> float:
+        return self.sizes.params(role) * self.hw.weight_bytes
+
+
+def estimate(plan: PlacementPlan, workload: Workload, hardware: Hardware, calibration: Calibration | None = None,
+             name: str | None = None) -> PlanEstimate:
+    """Predicted iteration time (with its phases) and model-state bytes per rank of ``plan``."""
+    if plan.world_size != hardware.devices:
+        raise ValueError(f"plan is for {plan.world_size} ranks but hardware.devices={hardware.devices}; build the "
+                         "plan for the hardware's device count.")
+    c = _Costs(workload, hardware, calibration)
+    w, S, K = workload, float(workload.batch_size), workload.micro_batches
+    sharded = set(plan.sharded_roles)
+    phases: dict[str, float] = {}
+    if not plan.is_disaggregated:
+        actor, critic = plan.ranks("actor"), plan.ranks("critic")
+        b = S / len(actor)
+        gen_gather = c.all_gather(c.weights("actor"), actor) if "actor" in sharded else 0.0
+        phases["generate"] = c.gen(b) + gen_gather
+
+        def frozen(role: str) -> float:
+            ranks = plan.ranks(role)
+            t = c.fwd(role, S / len(ranks))
+            if role in sharded:
+                t += K * c.all_gather(c.weights(role), ranks)
+            if len(ranks) < len(actor):  # owners receive partners' tokens and send results back
+                t += c.p2p(S / len(actor) * (w.prompt_len + w.response_len) * 8, ranks) * 2
+            return t
+
+        inf = c.fwd("actor", b) + (K * c.all_gather(c.weights("actor"), actor) if "actor" in sharded else 0.0)
+        inf += c.fwd("critic", S / len(critic)) + (K * c.all_gather(c.weights("critic"), critic)
+                                                   if "critic" in sharded else 0.0)
+        t_ref, t_rw = frozen("ref"), frozen("reward")
+        disjoint = not set(plan.ranks("ref")) & set(plan.ranks("reward"))
+        inf += max(t_ref, t_rw) if disjoint else t_ref + t_rw
+        phases["inference"] = inf
+        train = c.train(b)
+        micro_steps = min(K, max(1, math.ceil(b))) * w.ppo_epochs
+        for role in ("actor", "critic"):
+            ranks = plan.ranks(role)
+            gb = c.weights(role) * (w.lora_fraction or 1.0)
+            if role in sharded:
+                train += micro_steps * 2 * c.all_gather(c.weights(role), ranks) + w.ppo_epochs * c.all_gather(gb, ranks)
+            else:
+                train += w.ppo_epochs * c.all_reduce(gb, ranks)
+        phases["train"] = train
+        phases["sync"] = 0.0
+        total = phases["generate"] + phases["inference"] + phases["train"]
+    else:
+        infer, trainers = plan.ranks("rollout"), plan.ranks("actor")
+        n_inf = len(infer)
+        tp = len(infer) // plan.rollout_replicas if "rollout" in sharded else 1
+        gen = c.gen(S / (n_inf / tp), tp)
+        inf = sum(c.fwd(role, S / len(plan.ranks(role))) for role in ("rollout", "value", "ref", "reward"))
+        for role in ("value", "ref", "reward"):
+            if role in sharded:
+                inf += K * c.all_gather(c.weights(role), plan.ranks(role))
+        b_train = S / len(trainers)
+        train = c.train(b_train)
+        for role in ("actor", "critic"):
+            ranks = plan.ranks(role)
+            gb = c.weights(role) * (w.lora_fraction or 1.0)
+            if role in sharded:
+                micro_steps = min(K, max(1, math.ceil(b_train))) * w.ppo_epochs
+                train += micro_steps * 2 * c.all_gather(c.weights(role), ranks) + w.ppo_epochs * c.all_gather(gb, ranks)
+            else:
+                train += w.ppo_epochs * c.all_reduce(gb, ranks)
+        sync_bytes = (c.weights("actor") + c.weights("critic")) * (w.lora_fraction or 1.0)
+        sync = c.p2p(sync_bytes, sorted(set(trainers) | set(infer)))
+        experience = c.p2p(S * (w.prompt_len + w.response_len) * (8 + 3 * 4), sorted(set(trainers) | set(infer)))
+        a = gen + inf
+        b1 = train / w.ppo_epochs
+        overlapped = max(a, b1) + min(a, b1) / K
+        phases.update({"generate": gen, "inference": inf, "train": train, "sync": sync + experience})
+        total = overlapped + (train - b1) + sync + experience
+    report = model_state_bytes(plan, workload.sizes, hardware.precision)
+    mem = {r: report.rank_bytes(r) for r in report.per_rank}
+    cap = hardware.memory_cap_bytes
+    fits = cap is None or max(mem.values()) <= cap
+    return PlanEstimate(name=name or plan.strategy, plan=plan, time_s=total, phases=phases, memory_per_rank=mem,
+                        fits=fits, samples_per_s=S / total,
+                        notes="" if fits else f"over the {cap / 1e9:.3g} GB per-device cap: must shard")
+
+
+def candidate_plans(devices: int) -> list[tuple[str, PlacementPlan]]:
+    """The strategies the planner compares for ``devices`` ranks."""
+    out = [("colocated", PlacementPlan.colocated(devices)),
+           ("colocated-sharded", PlacementPlan.colocated(devices, sharded=True))]
+    if devices >= 2 and devices % 2 == 0:
+        out.append(("interleaved", PlacementPlan.interleaved(devices)))
+        out.append(("interleaved-sharded", PlacementPlan.interleaved(
+            devices, sharded_roles=["actor", "critic", "ref", "reward"])))
+    for n_train in range(1, devices):
+        plan = PlacementPlan.disaggregated(devices, train_ranks=list(range(n_train)))
+        out.append((f"disaggregated-{n_train}t{devices - n_train}i", plan))
+        if n_train > 1 or devices - n_train > 1:
+            sh = PlacementPlan.disaggregated(devices, train_ranks=list(range(n_train)),
+                                             sharded_roles=["actor", "critic", "ref", "reward", "value"])
+            out.append((f"disaggregated-{n_train}t{devices - n_train}i-sharded", sh))
+    return out
+
+
+def rank_plans(workload: Workload, hardware: Hardware, calibration: Calibration | None = None) -> list[PlanEstimate]:
+    """Every candidate plan, best first: plans within the memory cap by predicted time, then those over it."""
+    ests = [estimate(p, workload, hardware, calibration, name=n) for n, p in candidate_plans(hardware.devices)]
+    return sorted(ests, key=lambda e: (not e.fits, e.time_s))
+
+
+def to_jsonable(workload: Workload, hardware: Hardware, calibration: Calibration | None,
+                ranking: list[PlanEstimate]) -> dict[str, Any]:
+    return {"workload": asdict(workload), "hardware": asdict(hardware),
+            "calibration": asdict(calibration) if calibration else None,
+            "ranking": [e.to_dict() for e in ranking],
+            "best": next((e.name for e in ranking if e.fits), None)}

@@ -1,0 +1,161 @@
+"""Analytic model-state memory per rank for a `PlacementPlan` (`rlhf_placement.md` §4.5 table).
+
+Model state = weights + gradients + optimizer state of the trained roles, and weights of the frozen ones (ref,
+reward, shadow actor, shadow critic). Activations, KV cache and the framework runtime are excluded on purpose: they
+depend on the batch, not on the placement, and on CPU the torch runtime dominates RSS.
+
+Bytes per parameter:
+
+| precision | trained (actor, critic) | frozen (ref, reward, shadows) |
+|---|---|---|
+| ``fp32`` (CPU: fp32 weights + fp32 grads + Adam m, v) | 4 + 4 + 8 = 16 | 4 |
+| ``bf16`` (GPU mixed: bf16 weights + bf16 grads + fp32 master, m, v) | 2 + 2 + 12 = 16 | 2 |
+
+With LoRA (``lora_fraction`` = adapter parameters / model parameters) a trained role holds its frozen base weights
+plus 16 bytes per adapter parameter. A role in ``plan.sharded_roles`` is split evenly over its rank group (ZeRO-3
+style). For four equal models of Φ parameters in fp32 this gives, per rank: co-located 40Φ, interleaved 36Φ,
+disaggregated 32Φ (trainer) / 16Φ (generator), co-located sharded over 2 ranks 20Φ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .plan import BASE_ROLES, ROLES, SHADOW_OF, TRAINED_ROLES, PlacementPlan
+
+__all__ = ["BYTES_PER_PARAM", "MemoryReport", "MemoryVerdict", "ModelSizes", "model_state_bytes", "shard_verdict"]
+
+#: (trained, frozen) bytes per parameter by precision.
+BYTES_PER_PARAM: dict[str, tuple[float, float]] = {"fp32": (16.0, 4.0), "bf16": (16.0, 2.0)}
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """Parameter counts of the four RLHF models (shadows mirror actor and critic)."""
+
+    actor: float = field(metadata={"help": "Parameters of the actor (policy)."})
+    critic: float | None = field(default=None, metadata={"help": "Parameters of the critic; defaults to actor."})
+    ref: float | None = field(default=None, metadata={"help": "Parameters of the reference; defaults to actor."})
+    reward: float | None = field(default=None, metadata={"help": "Parameters of the reward model; defaults to "
+                                                                 "critic."})
+    lora_fraction: float | None = field(default=None, metadata={
+        "help": "Trainable adapter parameters / model parameters when actor and critic train LoRA adapters."})
+
+    def __post_init__(self) -> None:
+        if self.critic is None:
+            object.__setattr__(self, "critic", self.actor)
+        if self.ref is None:
+            object.__setattr__(self, "ref", self.actor)
+        if self.reward is None:
+            object.__setattr__(self, "reward", self.critic)
+        for name in BASE_ROLES:
+            v = getattr(self, name)
+            if not v > 0:
+                raise ValueError(f"ModelSizes.{name}={v!r}: parameter counts must be positive.")
+        if self.lora_fraction is not None and not 0 < self.lora_fraction <= 1:
+            raise ValueError(f"lora_fraction={self.lora_fraction} must be in (0, 1] (adapter params / model params).")
+
+    def params(self, role: str) -> float:
+        return float(getattr(self, SHADOW_OF.get(role, role)))
+
+
+@dataclass
+class MemoryReport:
+    """Model-state bytes per rank, split by role."""
+
+    plan: PlacementPlan
+    precision: str
+    per_rank: dict[int, dict[str, float]]
+
+    def rank_bytes(self, rank: int) -> float:
+        return float(sum(self.per_rank[rank].values()))
+
+    @property
+    def max_bytes(self) -> float:
+        return max(self.rank_bytes(r) for r in self.per_rank)
+
+    @property
+    def total_bytes(self) -> float:
+        return float(sum(self.rank_bytes(r) for r in self.per_rank))
+
+    def over_cap(self, cap_bytes: float) -> list[int]:
+        """Ranks whose model state exceeds ``cap_bytes``."""
+        return [r for r in sorted(self.per_rank) if self.rank_bytes(r) > cap_bytes]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"precision": self.precision, "max_bytes": self.max_bytes, "total_bytes": self.total_bytes,
+                "per_rank": {str(r): {"total": self.rank_bytes(r), **self.per_rank[r]} for r in sorted(self.per_rank)}}
+
+
+def _role_bytes_per_param(role: str, precision: str, lora_fraction: float | None) -> float:
+    trained, frozen = BYTES_PER_PARAM[precision]
+    if role not in TRAINED_ROLES:
+        return frozen
+    if lora_fraction is None:
+        return trained
+    return frozen + trained * lora_fraction
+
+
+def model_state_bytes(plan: PlacementPlan, sizes: ModelSizes | Mapping[str, float],
+                      precision: str = "fp32") -> MemoryReport:
+    """Model-state bytes per rank of ``plan`` for models of ``sizes`` parameters."""
+    if precision not in BYTES_PER_PARAM:
+        raise ValueError(f"precision={precision!r} is not one of {sorted(BYTES_PER_PARAM)} ('fp32' = CPU fp32 + "
+                         "Adam, 'bf16' = GPU bf16 mixed precision + Adam).")
+    if not isinstance(sizes, ModelSizes):
+        sizes = ModelSizes(**dict(sizes))
+    per_rank: dict[int, dict[str, float]] = {r: {} for r in range(plan.world_size)}
+    for role in ROLES:
+        if role not in plan.roles:
+            continue
+        ranks = plan.roles[role]
+        total = sizes.params(role) * _role_bytes_per_param(role, precision, sizes.lora_fraction)
+        if role in plan.sharded_roles:
+            if role == "rollout":  # the shadow actor is split inside each replica (tensor-parallel style)
+                per = total / (len(ranks) // plan.rollout_replicas)
+            else:
+                per = total / len(ranks)
+        else:
+            per = total
+        for r in ranks:
+            per_rank[r][role] = per
+    return MemoryReport(plan=plan, precision=precision, per_rank=per_rank)
+
+
+@dataclass
+class MemoryVerdict:
+    """Whether a plan fits a per-rank cap as is, or only with its models sharded inside their groups."""
+
+    fits: bool
+    must_shard: bool
+    fits_sharded: bool
+    report: MemoryReport
+    sharded_report: MemoryReport
+    cap_bytes: float
+
+    @property
+    def message(self) -> str:
+        gb = 1e9
+        if self.fits:
+            return f"fits: {self.report.max_bytes / gb:.3g} GB <= cap {self.cap_bytes / gb:.3g} GB per rank"
+        if self.fits_sharded:
+            return (f"must shard: {self.report.max_bytes / gb:.3g} GB > cap {self.cap_bytes / gb:.3g} GB per rank; "
+                    f"sharded inside role groups {self.sharded_report.max_bytes / gb:.3g} GB fits")
+        return (f"does not fit even sharded: {self.sharded_report.max_bytes / gb:.3g} GB > cap "
+                f"{self.cap_bytes / gb:.3g} GB per rank")
+
+
+def shard_verdict(plan: PlacementPlan, sizes: ModelSizes | Mapping[str, float], cap_bytes: float,
+                  precision: str = "fp32") -> MemoryVerdict:
+    """Check ``plan`` against a per-rank model-state cap; if it does not fit, try every role sharded."""
+    if not cap_bytes > 0:
+        raise ValueError(f"cap_bytes must be positive, got {cap_bytes}.")
+    report = model_state_bytes(plan, sizes, precision)
+    sharded_plan = PlacementPlan(world_size=plan.world_size, roles=plan.roles, strategy=plan.strategy,
+                                 rollout_replicas=plan.rollout_replicas, sharded_roles=list(plan.roles))
+    sharded = model_state_bytes(sharded_plan, sizes, precision)
+    fits = report.max_bytes <= cap_bytes
+    return MemoryVerdict(fits=fits, must_shard=not fits, fits_sharded=sharded.max_bytes <= cap_bytes,
+                         report=report, sharded_report=sharded, cap_bytes=float(cap_bytes))
