@@ -1,0 +1,285 @@
+"""PlacementPlan validation and serialisation, the memory accountant (rlhf_placement.md §4.5 table), the planner's
+cost model and its CLI. Single process, no process groups."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_placement import (
+    Calibration,
+    Hardware,
+    ModelSizes,
+    PlacementPlan,
+    Workload,
+    estimate,
+    model_state_bytes,
+    rank_plans,
+    select_tensors,
+    shard_verdict,
+)
+from hf_placement.channels import pack_tree, unpack_tree
+from hf_placement.groups import planned_rank_sets
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------------------------------- constructors
+def test_constructors_follow_the_paper():
+    colo = PlacementPlan.colocated(4)
+    assert all(colo.roles[r] == [0, 1, 2, 3] for r in ("actor", "critic", "ref", "reward"))
+    inter = PlacementPlan.interleaved(4)  # APP: ref on the first half, reward on the second
+    assert inter.roles["ref"] == [0, 1] and inter.roles["reward"] == [2, 3] and inter.roles["actor"] == [0, 1, 2, 3]
+    assert inter.partners("ref") == {0: [2], 1: [3]} and inter.partners("reward") == {2: [0], 3: [1]}
+    assert inter.owner_of("reward", 1) == 3 and inter.owner_of("ref", 0) == 0
+    quarter = PlacementPlan.interleaved(8, ratios={"ref": 0.25, "reward": 0.25})
+    assert quarter.roles["ref"] == [0, 1] and quarter.roles["reward"] == [2, 3]
+    assert quarter.partners("ref") == {0: [2, 4, 6], 1: [3, 5, 7]}  # ceil(6/2) = 3 partners each
+    dis = PlacementPlan.disaggregated(4, rollout_replicas=2)
+    assert dis.roles["actor"] == [0, 1] and dis.roles["rollout"] == [2, 3]
+    assert dis.replica_ranks() == [[2], [3]] and dis.data_ranks() == [2, 3]
+    assert dis.sync_pairs() == [("actor", "rollout"), ("critic", "value")]
+    dis2 = PlacementPlan.disaggregated(3, infer_ranks=[0])
+    assert dis2.roles["actor"] == [1, 2] and dis2.roles["reward"] == [0]
+    custom = PlacementPlan.custom(4, {"actor": [0, 1, 2, 3], "critic": [0, 1, 2, 3], "ref": [0], "reward": [3]})
+    assert custom.partners("reward", data_ranks=[0, 1, 2, 3]) == {3: [0, 1, 2]}
+    assert "reward   [3]" in custom.describe()
+
+
+def test_group_creation_order_is_a_pure_function_of_the_plan():
+    dis = PlacementPlan.disaggregated(4, rollout_replicas=2)
+    sets = planned_rank_sets(dis, extra_rank_sets=[[1, 0]])
+    # roles (deduplicated), replicas, one sync group (actor->rollout and critic->value share [0, 2, 3]); the extra
+    # set [1, 0] is the actor group already
+    assert sets == [(0, 1), (2, 3), (2,), (3,), (0, 2, 3)]
+    assert sets == planned_rank_sets(PlacementPlan.from_dict(dis.to_dict()), extra_rank_sets=[[0, 1]])
+
+
+# ------------------------------------------------------------------------------------------------------- validation
+BAD_PLANS = [
+    # (kwargs, substring of the error)
+    (dict(world_size=2, roles={"actor": [0, 1], "critic": [0, 1], "ref": [], "reward": [0, 1]}), "role 'ref' has no"),
+    (dict(world_size=2, roles={"actor": [0, 1], "critic": [0, 1], "ref": [0]}), "role 'reward' is missing"),
+    (dict(world_size=2, roles={"actor": [0, 1], "critic": [0, 1], "ref": [0], "reward": [1], "judge": [0]}),
+     "unknown role(s) ['judge']"),
+    (dict(world_size=2, roles={"actor": [0, 2], "critic": [0, 1], "ref": [0], "reward": [1]}),
+     "role 'actor' has rank(s) [2] outside the world of 2"),
+    (dict(world_size=2, roles={"actor": [0, 0, 1], "critic": [0, 1], "ref": [0], "reward": [1]}), "more than once"),
+    (dict(world_size=4, roles={"actor": [0, 1, 2, 3], "critic": [0, 1, 2, 3], "ref": [0, 1, 2], "reward": [2, 3]}),
+     "roles 'ref' [0, 1, 2] and 'reward' [2, 3] partially overlap"),
+    (dict(world_size=4, roles={"actor": [0, 1], "critic": [0, 1], "ref": [2, 3], "reward": [2, 3], "rollout": [1, 2],
+                               "value": [2, 3]}), "role 'rollout' (shadow model) shares rank(s) [1] with 'actor'"),
+    (dict(world_size=4, roles={"actor": [0, 1], "critic": [0, 1], "ref": [2, 3], "reward": [2, 3],
+                               "rollout": [2, 3]}), "'rollout' is placed but 'value' is not"),
+    (dict(world_size=4, roles={"actor": [0, 1, 2], "critic": [0, 1, 2], "ref": [0], "reward": [1]}),
+     "rank(s) [3] hold no role: world_size=4 does not match"),
+    (dict(world_size=0, roles={}), "world_size must be a positive integer"),
+    (dict(world_size=2, roles={"actor": [0, 1], "critic": [0, 1], "ref": [0], "reward": [1]}, strategy="flat"),
+     "strategy='flat' is not one of"),
+    (dict(world_size=3, roles={"actor": [0], "critic": [0], "ref": [1, 2], "reward": [1, 2], "rollout": [1, 2],
+                               "value": [1, 2]}, rollout_replicas=3), "rollout_replicas=3 does not divide the 2"),
+    (dict(world_size=2, roles={"actor": [0, 1], "critic": [0, 1], "ref": [0], "reward": [1]}, rollout_replicas=2),
+     "needs a 'rollout' role"),
+    (dict(world_size=2, roles={"actor": [0, 1], "critic": [0, 1], "ref": [0], "reward": [1]},
+          sharded_roles=["rollout"]), "sharded_roles names role(s) ['rollout']"),
+]
+
+
+@pytest.mark.parametrize("kwargs,message", BAD_PLANS, ids=[m[:30] for _, m in BAD_PLANS])
+def test_bad_plans_name_the_problem(kwargs, message):
+    with pytest.raises(ValueError) as err:
+        PlacementPlan(**kwargs)
+    assert message in str(err.value)
+
+
+def test_bad_types_and_ratios():
+    with pytest.raises(TypeError, match="role 'ref' has a non-integer rank"):
+        PlacementPlan(world_size=2, roles={"actor": [0, 1], "critic": [0, 1], "ref": ["0"], "reward": [1]})
+    with pytest.raises(ValueError, match="ratios do not pack"):
+        PlacementPlan.interleaved(4, ratios={"ref": 0.75, "reward": 0.5})
+    with pytest.raises(ValueError, match="whole number of ranks"):
+        PlacementPlan.interleaved(4, ratios={"ref": 0.3, "reward": 0.7})
+    with pytest.raises(ValueError, match=r"unknown role\(s\) \['rollout'\]"):
+        PlacementPlan.interleaved(4, ratios={"rollout": 0.5})
+    with pytest.raises(ValueError, match="share rank"):
+        PlacementPlan.disaggregated(4, train_ranks=[0, 1], infer_ranks=[1, 2, 3])
+    with pytest.raises(ValueError, match="world_size >= 2"):
+        PlacementPlan.disaggregated(1)
+
+
+def test_world_size_and_batch_checks():
+    plan = PlacementPlan.interleaved(4)
+    with pytest.raises(ValueError, match="plan is for world_size=4 but the job has 2 ranks"):
+        plan.check_world_size(2)
+    plan.check_batch(8, micro_batch_size=2)
+    with pytest.raises(ValueError, match=r"batch size 6 does not divide among the 4 owner ranks of role 'actor'"):
+        plan.check_batch(6)
+    with pytest.raises(ValueError, match=r"micro batch size 3 does not divide the per-rank share 2 of role 'actor'"):
+        plan.check_batch(8, micro_batch_size=3)
+    odd = PlacementPlan.custom(4, {"actor": [0, 1, 2, 3], "critic": [0, 1, 2, 3], "ref": [0, 1, 2], "reward": [3]})
+    with pytest.raises(ValueError, match=r"batch size 4 does not divide among the 3 owner ranks of role 'ref'"):
+        odd.check_batch(4)
+
+
+# ---------------------------------------------------------------------------------------------------- serialisation
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_save_load_roundtrip(tmp_path, suffix):
+    plan = PlacementPlan.disaggregated(4, rollout_replicas=2, sharded_roles=["ref"])
+    path = plan.save(tmp_path / f"plan{suffix}")
+    assert PlacementPlan.load(path) == plan
+    assert PlacementPlan.from_ppo_config_fields(placement=str(path), world_size=4) == plan
+
+
+def test_unknown_keys_and_missing_keys(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown plan key\(s\) \['ratio', 'replicas'\]; valid keys are"):
+        PlacementPlan.from_dict({"world_size": 2, "roles": {}, "replicas": 2, "ratio": 1})
+    with pytest.raises(ValueError, match="missing required key 'roles'"):
+        PlacementPlan.from_dict({"world_size": 2})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("world_size: 2\nroles: {actor: [0, 1], critic: [0, 1], ref: [0], reward: [1]}\nstratgy: x\n")
+    with pytest.raises(ValueError, match=r"unknown plan key\(s\) \['stratgy'\]"):
+        PlacementPlan.load(bad)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        PlacementPlan.load(tmp_path / "nope.yaml")
+
+
+def test_from_ppo_config_fields():
+    assert PlacementPlan.from_ppo_config_fields(world_size=2) == PlacementPlan.colocated(2)
+    inter = PlacementPlan.from_ppo_config_fields("interleaved", placement_ratios="ref=0.25,reward=0.25", world_size=4)
+    assert inter.roles["ref"] == [0] and inter.roles["reward"] == [1]
+    dis = PlacementPlan.from_ppo_config_fields("Disaggregated", rollout_replicas=2, world_size=4)
+    assert dis.rollout_replicas == 2 and dis.strategy == "disaggregated"
+    assert PlacementPlan.from_ppo_config_fields(dis.to_dict(), world_size=4) == dis
+    with pytest.raises(ValueError, match="only applies to placement='interleaved'"):
+        PlacementPlan.from_ppo_config_fields("colocated", placement_ratios={"ref": 0.5}, world_size=2)
+    with pytest.raises(ValueError, match="rollout_replicas=2 only applies to placement='disaggregated'"):
+        PlacementPlan.from_ppo_config_fields("interleaved", rollout_replicas=2, world_size=2)
+    with pytest.raises(ValueError, match="is not a strategy"):
+        PlacementPlan.from_ppo_config_fields("separation", world_size=2)
+    with pytest.raises(ValueError, match="plan is for world_size=4 but the job has 2"):
+        PlacementPlan.from_ppo_config_fields(dis, world_size=2)
+    with pytest.raises(ValueError, match="'role=ratio' items"):
+        PlacementPlan.from_ppo_config_fields("interleaved", placement_ratios="ref:0.5", world_size=2)
+
+
+# ---------------------------------------------------------------------------------------------------------- memory
+PHI = 1_000_000.0
+
+
+@pytest.mark.parametrize("precision,colo,inter,trainer,generator,colo_z3", [
+    ("fp32", 40, 36, 32, 16, 20),
+    ("bf16", 36, 34, 32, 8, 18),
+])
+def test_memory_table_of_the_doc(precision, colo, inter, trainer, generator, colo_z3):
+    sizes = ModelSizes(actor=PHI)
+    per_param = lambda plan: [model_state_bytes(plan, sizes, precision).rank_bytes(r) / PHI
+                              for r in range(plan.world_size)]
+    assert per_param(PlacementPlan.colocated(2)) == [colo, colo]
+    assert per_param(PlacementPlan.interleaved(2)) == [inter, inter]
+    assert per_param(PlacementPlan.disaggregated(2)) == [trainer, generator]
+    assert per_param(PlacementPlan.colocated(2, sharded=True)) == [colo_z3, colo_z3]
+
+
+def test_memory_lora_row_and_cap_verdicts():
+    sizes = ModelSizes(actor=PHI, lora_fraction=1e-4)
+    colo = model_state_bytes(PlacementPlan.colocated(2), sizes, "bf16").rank_bytes(0) / PHI
+    inter = model_state_bytes(PlacementPlan.interleaved(2), sizes, "bf16").rank_bytes(0) / PHI
+    assert colo == pytest.approx(8, abs=0.01) and inter == pytest.approx(6, abs=0.01)
+    cap = 38 * PHI  # between 36 and 40 bytes/param, fp32
+    v = shard_verdict(PlacementPlan.colocated(2), ModelSizes(actor=PHI), cap)
+    assert v.must_shard and v.fits_sharded and "must shard" in v.message
+    for plan in (PlacementPlan.interleaved(2), PlacementPlan.disaggregated(2)):
+        assert shard_verdict(plan, ModelSizes(actor=PHI), cap).fits
+    tight = shard_verdict(PlacementPlan.colocated(2), ModelSizes(actor=PHI), 10 * PHI)
+    assert not tight.fits_sharded and "does not fit even sharded" in tight.message
+    assert model_state_bytes(PlacementPlan.colocated(2), {"actor": PHI}).over_cap(cap) == [0, 1]
+    with pytest.raises(ValueError, match="precision='fp16'"):
+        model_state_bytes(PlacementPlan.colocated(2), sizes, "fp16")
+
+
+# ------------------------------------------------------------------------------------------------------ cost model
+def test_planner_under_a_memory_cap():
+    w = Workload(actor_params=26e6, batch_size=16, prompt_len=16, response_len=32)
+    free = {e.name: e for e in rank_plans(w, Hardware.cpu(2))}
+    assert all(e.fits for e in free.values())
+    capped = rank_plans(w, Hardware.cpu(2, memory_cap_bytes=38 * 26e6))
+    by_name = {e.name: e for e in capped}
+    assert not by_name["colocated"].fits and "must shard" in by_name["colocated"].notes
+    assert by_name["colocated-sharded"].fits and by_name["interleaved"].fits and by_name["disaggregated-1t1i"].fits
+    assert capped[-1].name == "colocated"  # over the cap: ranked after every plan that fits
+    assert by_name["colocated-sharded"].time_s > free["colocated"].time_s  # sharding pays parameter gathers
+    # interleaving holds fewer model-state bytes per rank than co-located
+    assert by_name["interleaved"].memory_max_bytes < free["colocated"].memory_max_bytes
+    best = capped[0]
+    assert best.fits and best.name != "colocated"
+
+
+def test_planner_responds_to_the_workload():
+    hw = Hardware.cpu(2)
+    short = {e.name: e.time_s for e in rank_plans(Workload(actor_params=4e6, response_len=8), hw)}
+    long = {e.name: e.time_s for e in rank_plans(Workload(actor_params=4e6, response_len=256), hw)}
+    assert all(long[k] > short[k] for k in short)
+    # a slower link hurts sharded co-location (parameter gathers) far more than DP co-location (one grad all-reduce)
+    w = Workload(actor_params=26e6)
+    fast = {e.name: e.time_s for e in rank_plans(w, Hardware.cpu(2, link_bandwidth=1e10))}
+    slow = {e.name: e.time_s for e in rank_plans(w, Hardware.cpu(2, link_bandwidth=1e8))}
+    assert slow["colocated-sharded"] - fast["colocated-sharded"] > 5 * (slow["colocated"] - fast["colocated"])
+    # calibration reproduces the measured single-device phase times exactly
+    cal = Calibration(generate_s=2.0, inference_s=3.0, train_s=4.0)
+    one = estimate(PlacementPlan.colocated(1), w, Hardware.cpu(1), cal)
+    assert one.phases["generate"] == pytest.approx(2.0) and one.phases["inference"] == pytest.approx(3.0)
+    assert one.phases["train"] == pytest.approx(4.0)
+    with pytest.raises(ValueError, match="plan is for 2 ranks but hardware.devices=4"):
+        estimate(PlacementPlan.colocated(2), w, Hardware.cpu(4))
+    with pytest.raises(ValueError, match="Workload.batch_size=0"):
+        Workload(actor_params=1e6, batch_size=0)
+
+
+def test_plan_cli(tmp_path):
+    out = tmp_path / "ranking.json"
+    help_text = subprocess.run([sys.executable, "-m", "hf_placement", "plan", "--help"], capture_output=True,
+                               text=True, cwd=REPO, check=True).stdout
+    assert "--memory-cap" in help_text and "--measured-generate-s" in help_text
+    run = subprocess.run([sys.executable, "-m", "hf_placement", "plan", "--actor-params", "26M", "--devices", "2",
+                          "--memory-cap", "38x", "--batch-size", "16", "--response-len", "32", "--output", str(out)],
+                         capture_output=True, text=True, cwd=REPO, check=True)
+    assert "NO (must shard)" in run.stdout and "colocated-sharded" in run.stdout
+    data = json.loads(out.read_text())
+    ranking = {e["name"]: e for e in data["ranking"]}
+    assert ranking["colocated"]["fits"] is False and ranking["interleaved"]["fits"] is True
+    assert data["best"] != "colocated" and data["hardware"]["memory_cap_bytes"] == pytest.approx(38 * 26e6)
+    bad = subprocess.run([sys.executable, "-m", "hf_placement", "plan", "--actor-params", "lots", "--devices", "2"],
+                         capture_output=True, text=True, cwd=REPO)
+    assert bad.returncode == 2 and "not a parameter count" in bad.stderr
+
+
+# ----------------------------------------------------------------------------------------- wire format, LoRA filter
+def test_pack_unpack_is_bit_exact():
+    msg = {"a": torch.randn(3, 4).to(torch.bfloat16), "b": [torch.tensor([True, False]), (torch.arange(3), 2.5)],
+           "c": torch.tensor(float("nan")), "d": None}
+    header, payload = pack_tree(msg)
+    back = unpack_tree(header, payload)
+    assert torch.equal(back["a"], msg["a"]) and back["a"].dtype == torch.bfloat16
+    assert torch.equal(back["b"][0], msg["b"][0]) and back["b"][1][1] == 2.5 and back["d"] is None
+    assert back["c"].view(torch.int32) == msg["c"].view(torch.int32)  # NaN payload bits preserved
+    with pytest.raises(TypeError, match="cannot send an object of type set"):
+        pack_tree({"x": {1, 2}})
+
+
+def test_lora_filter_selects_peft_adapters_only():
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    model = get_peft_model(base, LoraConfig(r=2, target_modules=["0", "2"]))
+    lora = [n for n, _ in select_tensors(model, "lora")]
+    assert lora and all("lora_A" in n or "lora_B" in n for n in lora) and len(lora) == 4
+    assert [n for n, _ in select_tensors(model, "trainable")] == lora
+    assert len(select_tensors(model, "all")) > len(lora)
+    with pytest.raises(ValueError, match="param_filter='adapters'"):
+        select_tensors(model, "adapters")
