@@ -1,3 +1,71 @@
-"""gmeta_trainer: part of hf-scale-plugins (see the README for what it provides)."""
+"""gmeta_trainer: G-Meta-style distributed meta-learning for recommendation models on the Hugging Face Trainer.
 
-__all__: list[str] = []
+Paper: G-Meta: Distributed Meta Learning in GPU Clusters for Large-Scale Recommender Systems (Xiao et al., CIKM 2023,
+arXiv 2401.04338). Pieces:
+
+* `MetaTrainingArguments` / `MetaTrainer`: MAML-family inner loop vectorised over tasks with ``torch.func``, outer
+  update by the Trainer's optimizer, evaluation that adapts on every task's support set.
+* `DLRMModel` and `RowShardedEmbeddingCollection` (row-sharded tables, ``all_to_all_single`` lookups).
+* Meta-IO: `build_task_records` (task-grouped, padded, Arrow / memory-mapped) and `TaskPrefetcher`.
+* Data: `movielens_cold_start` (MovieLens-100K, newest users held out) and `make_synthetic_interactions`.
+"""
+
+from .baselines import evaluate_on_tasks, train_global_model
+from .data import (
+    ColdStartData,
+    encode_categorical,
+    load_movielens_100k,
+    make_synthetic_interactions,
+    movielens_cold_start,
+)
+from .inner_loop import InnerLoopConfig, InnerLoopError, masked_task_loss, select_inner_params
+from .meta_io import MetaIOConfig, TaskPrefetcher, build_task_records, collate_tasks, load_task_records
+from .meta_learner import MetaLearner
+from .metrics import binary_auc, cold_start_metrics, compute_cold_start_metrics
+from .models import DLRMConfig, DLRMModel, EmbeddingCollection, check_ids_in_range
+from .sharded_embedding import RowShardedEmbeddingCollection, shard_embeddings
+
+
+def __getattr__(name: str):
+    # The Trainer integration imports transformers (seconds); the engine, Meta-IO and data do not need it.
+    if name == "MetaTrainer":
+        from .trainer import MetaTrainer
+
+        return MetaTrainer
+    if name == "MetaTrainingArguments":
+        from .config import MetaTrainingArguments
+
+        return MetaTrainingArguments
+    raise AttributeError(f"module 'gmeta_trainer' has no attribute {name!r}")
+
+
+__all__ = [
+    "ColdStartData",
+    "DLRMConfig",
+    "DLRMModel",
+    "EmbeddingCollection",
+    "InnerLoopConfig",
+    "InnerLoopError",
+    "MetaIOConfig",
+    "MetaLearner",
+    "MetaTrainer",
+    "MetaTrainingArguments",
+    "RowShardedEmbeddingCollection",
+    "TaskPrefetcher",
+    "binary_auc",
+    "build_task_records",
+    "check_ids_in_range",
+    "cold_start_metrics",
+    "collate_tasks",
+    "compute_cold_start_metrics",
+    "encode_categorical",
+    "evaluate_on_tasks",
+    "load_movielens_100k",
+    "load_task_records",
+    "make_synthetic_interactions",
+    "masked_task_loss",
+    "movielens_cold_start",
+    "select_inner_params",
+    "shard_embeddings",
+    "train_global_model",
+]
