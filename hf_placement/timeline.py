@@ -190,8 +190,8 @@ def plot_timeline(timelines: Sequence[Timeline], path: str | Path, title: str = 
     ax.set_title(title)
     from matplotlib.patches import Patch
 
-    ax.legend(handles=[Patch(color=colors[n], label=n) for n in names], loc="upper center",
-              bbox_to_anchor=(0.5, -0.18), ncol=min(6, max(1, len(names))), fontsize="small", frameon=False)
+    ax.legend(handles=[Patch(color=colors[n], label=n) for n in names], loc="upper left", bbox_to_anchor=(1.01, 1.0),
+              fontsize="small", frameon=False)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
