@@ -1,3 +1,40 @@
-"""tea_pipeline: part of hf-scale-plugins (see the README for what it provides)."""
+"""tea_pipeline: LightTEA time-aware entity alignment between two temporal knowledge graphs.
 
-__all__: list[str] = []
+LightTEA (Cai et al., IJCAI 2023, arXiv 2307.06013) aligns entities without a neural network: two-aspect
+(relational, temporal) three-view label propagation, sparse similarity with temporal constraints, a Sinkhorn
+operator and temporal iterative learning. `load_tkg_pair` reads the TEA-GNN/LightTEA folder layout through
+`datasets`; `LightTEA(config).fit(pair)` returns an `AlignmentResult`; ``python -m tea_pipeline align`` is the CLI.
+"""
+
+from .config import LightTEAConfig
+from .data import TKGDataError, TKGPair, load_tkg_pair
+from .engine import AlignmentResult, LightTEA, RoundMetrics
+from .graph import TKGGraph, build_graph, time_counts
+from .propagation import aspect_features, l2n, propagate, seed_labels, triple_view
+from .similarity import TemporalSimilarity, TopK, blocked_topk
+from .sinkhorn import dense_sinkhorn, sparse_sinkhorn
+from .synthetic import make_synthetic_pair
+
+__all__ = [
+    "AlignmentResult",
+    "LightTEA",
+    "LightTEAConfig",
+    "RoundMetrics",
+    "TKGDataError",
+    "TKGGraph",
+    "TKGPair",
+    "TemporalSimilarity",
+    "TopK",
+    "aspect_features",
+    "blocked_topk",
+    "build_graph",
+    "dense_sinkhorn",
+    "l2n",
+    "load_tkg_pair",
+    "make_synthetic_pair",
+    "propagate",
+    "seed_labels",
+    "sparse_sinkhorn",
+    "time_counts",
+    "triple_view",
+]

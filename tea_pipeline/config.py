@@ -1,0 +1,159 @@
+"""`LightTEAConfig`: every hyper-parameter of the LightTEA reference code, with the same defaults.
+
+Paper: "An Effective and Efficient Time-aware Entity Alignment Framework via Two-aspect Three-view Label
+Propagation" (Cai et al., IJCAI 2023, arXiv 2307.06013); reference code ``lcai2/LightTEA``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+FUSIONS = ("sum", "concat")
+TIE_BREAKS = ("random", "first")
+
+
+@dataclass
+class LightTEAConfig:
+    """Hyper-parameters of LightTEA.
+
+    > Parameters that control label propagation
+
+    Parameters:
+        dim (`int`, *optional*, defaults to `512`):
+            Width d of the random seed labels (one unit Gaussian vector per seed pair and aspect).
+        lp_steps (`int`, *optional*, defaults to `2`):
+            Label-propagation steps. The reference hard-codes 2 (its ``--depth`` flag is ignored).
+        aspect_dim (`int`, *optional*):
+            D_x, the width of the relation/time embeddings of the triple view. ``None`` means the reference rule,
+            ``dim // 2`` for ICEWS-like data (many time stamps, no unknown time) and ``dim // 3`` otherwise.
+        mini_dim (`int`, *optional*, defaults to `16`):
+            Width of each of the D_x random projections of the triple view; the output width is ``mini_dim * D_x``.
+        alpha (`float`, *optional*, defaults to `0.6`):
+            Weight of the temporal aspect: ``F = (1 - alpha) F_rel + alpha F_time``.
+        fusion (`str`, *optional*, defaults to `"sum"`):
+            ``"sum"`` (reference) or ``"concat"`` (``[(1 - alpha) F_rel, alpha F_time]``, no cross-aspect noise).
+
+    > Parameters that control similarity, Sinkhorn and evaluation
+
+    Parameters:
+        top_k (`int`, *optional*, defaults to `500`):
+            Candidates kept per source entity (exact top-k of the structural similarity).
+        beta (`float`, *optional*, defaults to `0.4`):
+            Weight of the temporal (multiset-Dice) similarity, applied to the top-k candidates only.
+        sinkhorn_temperature (`float`, *optional*, defaults to `0.02`):
+            Scores enter Sinkhorn as ``exp(sim / temperature)``.
+        sinkhorn_iterations (`int`, *optional*, defaults to `15`):
+            Row-then-column normalisation rounds on the sparse candidate layout.
+        tie_break (`str`, *optional*, defaults to `"random"`):
+            How equal scores are ranked in evaluation. ``"random"`` (seeded) avoids leaking the answer on id-sorted
+            pair files; ``"first"`` ranks the earlier candidate first, like the reference.
+        block_rows (`int`, *optional*, defaults to `2048`):
+            Rows per block of the similarity search; bounds memory to ``block_rows x |test|`` floats.
+
+    > Parameters that control temporal iterative learning
+
+    Parameters:
+        rounds (`int`, *optional*, defaults to `3`):
+            Rounds of label propagation + alignment; rounds after the first add confident pseudo seeds.
+        pseudo_seed_threshold (`float`, *optional*, defaults to `0.8`):
+            A source entity becomes a pseudo seed when its best Sinkhorn score exceeds this value.
+
+    > Parameters that control data, reproducibility and compatibility
+
+    Parameters:
+        unknown_time_id (`int`, *optional*):
+            Time id that means "unknown" and is left out of the temporal similarity. ``None`` detects it from
+            ``time_id`` (id 0 labelled ``-inf`` in YAGO-WIKI); ICEWS has none, so its first day counts.
+        seed (`int`, *optional*, defaults to `12306`):
+            Seed of the ``torch.Generator`` behind every random draw (labels, projections, tie breaks).
+        device (`str`, *optional*, defaults to `"auto"`):
+            ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        reference_compat (`bool`, *optional*, defaults to `False`):
+            Reproduce the reference code's quirks: relation ids receive time stamps in the temporal similarity,
+            the round-1 pseudo-seed time similarity is misaligned, time id 0 is always dropped, ``top_k`` shrinks
+            for good once the candidate pool is smaller, ties go to the first candidate.
+    """
+
+    dim: int = field(default=512, metadata={"help": "Width d of the random seed labels."})
+    lp_steps: int = field(default=2, metadata={"help": "Label-propagation steps (reference: 2)."})
+    aspect_dim: int | None = field(
+        default=None, metadata={"help": "D_x; None = dim//2 for ICEWS-like data, dim//3 otherwise."}
+    )
+    mini_dim: int = field(default=16, metadata={"help": "Width of each triple-view projection."})
+    alpha: float = field(default=0.6, metadata={"help": "Weight of the temporal aspect."})
+    fusion: str = field(default="sum", metadata={"help": "Aspect fusion: 'sum' (reference) or 'concat'."})
+    top_k: int = field(default=500, metadata={"help": "Candidates per source entity."})
+    beta: float = field(default=0.4, metadata={"help": "Weight of the temporal similarity."})
+    sinkhorn_temperature: float = field(default=0.02, metadata={"help": "Sinkhorn temperature."})
+    sinkhorn_iterations: int = field(default=15, metadata={"help": "Sinkhorn iterations."})
+    tie_break: str = field(default="random", metadata={"help": "Evaluation tie break: 'random' or 'first'."})
+    block_rows: int = field(default=2048, metadata={"help": "Rows per similarity block (memory bound)."})
+    rounds: int = field(default=3, metadata={"help": "Temporal iterative learning rounds."})
+    pseudo_seed_threshold: float = field(default=0.8, metadata={"help": "Sinkhorn score needed for a pseudo seed."})
+    unknown_time_id: int | None = field(
+        default=None, metadata={"help": "Time id meaning 'unknown' (None: detect from time_id labels)."}
+    )
+    seed: int = field(default=12306, metadata={"help": "Seed of every random draw."})
+    device: str = field(default="auto", metadata={"help": "'auto', 'cpu', 'cuda' or 'cuda:N'."})
+    reference_compat: bool = field(default=False, metadata={"help": "Reproduce the reference code's quirks."})
+
+    def __post_init__(self) -> None:
+        self.fusion = str(self.fusion).lower()
+        self.tie_break = str(self.tie_break).lower()
+        self.device = str(self.device).lower()
+        if self.reference_compat:
+            # The reference ranks ties by candidate position and always runs 2 LP steps.
+            self.tie_break = "first"
+        positive_ints = ("dim", "lp_steps", "mini_dim", "top_k", "sinkhorn_iterations", "block_rows", "rounds")
+        for name in positive_ints:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"LightTEAConfig.{name}={value!r} is invalid: it must be a positive integer. "
+                                 f"Set {name} to 1 or more (default {_default(name)}).")
+        if self.aspect_dim is not None and (not isinstance(self.aspect_dim, int) or self.aspect_dim < 1):
+            raise ValueError(f"LightTEAConfig.aspect_dim={self.aspect_dim!r} is invalid: it must be a positive "
+                             "integer or None (None picks dim//2 for ICEWS-like data, dim//3 otherwise).")
+        for name in ("alpha", "beta"):
+            value = getattr(self, name)
+            if not 0.0 <= float(value) <= 1.0:
+                raise ValueError(f"LightTEAConfig.{name}={value!r} is invalid: it is a mixing weight and must lie "
+                                 f"in [0, 1]. The reference uses {_default(name)}.")
+        if not self.sinkhorn_temperature > 0:
+            raise ValueError(f"LightTEAConfig.sinkhorn_temperature={self.sinkhorn_temperature!r} is invalid: "
+                             "scores are divided by it, so it must be > 0 (reference: 0.02).")
+        if not 0.0 < float(self.pseudo_seed_threshold) < 1.0:
+            raise ValueError(f"LightTEAConfig.pseudo_seed_threshold={self.pseudo_seed_threshold!r} is invalid: "
+                             "Sinkhorn scores lie in (0, 1], so use a value in (0, 1) (reference: 0.8).")
+        if self.fusion not in FUSIONS:
+            raise ValueError(f"LightTEAConfig.fusion={self.fusion!r} is not supported: use one of {FUSIONS}.")
+        if self.tie_break not in TIE_BREAKS:
+            raise ValueError(f"LightTEAConfig.tie_break={self.tie_break!r} is not supported: use one of "
+                             f"{TIE_BREAKS}.")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"LightTEAConfig.device={self.device!r} is not supported: use 'auto', 'cpu', 'cuda' "
+                             "or 'cuda:N'.")
+        if self.reference_compat and self.lp_steps != 2:
+            raise ValueError(f"LightTEAConfig.lp_steps={self.lp_steps} conflicts with reference_compat=True: the "
+                             "reference code always runs 2 steps. Set lp_steps=2 or reference_compat=False.")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> LightTEAConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"Unknown LightTEAConfig keys {unknown}; valid keys are {sorted(known)}.")
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> LightTEAConfig:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def _default(name: str) -> Any:
+    return next(f.default for f in fields(LightTEAConfig) if f.name == name)

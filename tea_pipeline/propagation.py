@@ -1,0 +1,93 @@
+"""Two-aspect three-view label propagation (reference: ``get_features_r`` / ``get_features_t``).
+
+Random unit labels are put on the seed pairs and spread over the entity-entity and entity-aspect views; the
+relation/time-triple view then turns every entity's outgoing (tail, aspect) tuples into a ``mini_dim * D_x`` wide
+feature. No parameter is trained, so the whole aspect is a handful of sparse-dense products.
+
+Legend: N entities, X aspect nodes, Q tuples, d label width, L = lp_steps, D = D_x.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .graph import AspectGraph, TKGGraph
+
+EPS = 1e-12  # TensorFlow's l2_normalize floor on the squared norm: zero rows stay zero
+
+
+def l2n(x: torch.Tensor) -> torch.Tensor:
+    """Row-wise L2 normalisation with TF's epsilon (a zero row stays zero)."""
+    return x * torch.rsqrt(torch.clamp((x * x).sum(dim=-1, keepdim=True), min=EPS))
+
+
+def seed_labels(num_entities: int, seed_pairs: torch.Tensor, dim: int, generator: torch.Generator) -> torch.Tensor:
+    """E0 (N x d): both entities of seed pair i get the same random unit Gaussian vector V_i (not orthogonalised)."""
+    v = l2n(torch.randn(len(seed_pairs), dim, generator=generator))
+    e0 = torch.zeros(num_entities, dim)
+    e0[seed_pairs[:, 0]] = v
+    e0[seed_pairs[:, 1]] = v
+    return e0
+
+
+def propagate(a_ee: torch.Tensor, aspect: AspectGraph, e0: torch.Tensor, steps: int) -> tuple[torch.Tensor, ...]:
+    """L steps of entity/aspect propagation; returns (E_bar N x (L+1)d, X_cat X x (L+1)d), both row-normalised."""
+    e, x = e0, torch.zeros(aspect.num_nodes, e0.shape[1], device=e0.device)
+    es, xs = [e], [x]
+    for _ in range(steps):
+        x_new = l2n(aspect.x_from_head @ e)  # aspect nodes gather from their head entities
+        e_new = l2n(a_ee @ e + aspect.x_to_tail @ x)  # entities gather from neighbours (+ self) and aspect nodes
+        e, x = e_new, x_new
+        es.append(e)
+        xs.append(x)
+    return l2n(torch.cat(es, dim=1)), l2n(torch.cat(xs, dim=1))
+
+
+def triple_view(graph: TKGGraph, aspect: AspectGraph, e_bar: torch.Tensor, x_cat: torch.Tensor, aspect_dim: int,
+                mini_dim: int, generator: torch.Generator, rows: torch.Tensor | None = None,
+                block: int = 8) -> torch.Tensor:
+    """Relation/time-triple view: F_j[h] = sum_{(h,t)} W[(h,t), j] * (E_bar P_j)[t] for j < D, concatenated.
+
+    ``W = T_x (X_cat Q)`` is the summed aspect embedding of every tuple, and each of the D columns gets its own random
+    projection P_j ((L+1)d x mini_dim). Only the entity rows in ``rows`` are returned (default: all); the result is
+    row-normalised, ``len(rows) x (mini_dim * D)``. Columns are produced ``block`` projections at a time so that the
+    Q x (block * mini_dim) gather stays small.
+    """
+    width = e_bar.shape[1]
+    q = l2n(torch.randn(width, aspect_dim, generator=generator)).to(e_bar.device)
+    proj = l2n(torch.randn(aspect_dim, width, mini_dim, generator=generator)).to(e_bar.device)
+    w = aspect.tuple_x @ (x_cat @ q)  # Q x D
+    head, tail = graph.tuple_head, graph.tuple_tail
+    n_out = graph.num_entities
+    if rows is not None:
+        out_of = torch.full((graph.num_entities,), -1, dtype=torch.long, device=head.device)
+        out_of[rows] = torch.arange(len(rows), device=head.device)
+        keep = out_of[head] >= 0
+        head, tail, w = out_of[head[keep]], tail[keep], w[keep]
+        n_out = len(rows)
+    # Only the tails that occur need Z = E_bar P; compact them once.
+    tails, tail_pos = torch.unique(tail, return_inverse=True)
+    e_tails = e_bar[tails]
+    # Summing tuples into their head rows is a sparse (n_out x Q) incidence product; tuples are sorted by head.
+    incidence = torch.sparse_coo_tensor(torch.stack([head, torch.arange(len(head), device=head.device)]),
+                                        torch.ones(len(head), device=e_bar.device), (n_out, len(head)),
+                                        is_coalesced=True, check_invariants=False)
+    out = torch.empty(n_out, aspect_dim * mini_dim, device=e_bar.device)
+    for j0 in range(0, aspect_dim, block):
+        j1 = min(j0 + block, aspect_dim)
+        p = proj[j0:j1].permute(1, 0, 2).reshape(width, (j1 - j0) * mini_dim)
+        z = e_tails @ p  # |tails| x (b * mini_dim)
+        g = torch.index_select(z, 0, tail_pos).view(-1, j1 - j0, mini_dim)
+        g.mul_(w[:, j0:j1, None])
+        out[:, j0 * mini_dim: j1 * mini_dim] = torch.sparse.mm(incidence, g.view(len(head), -1))
+    return l2n(out)
+
+
+def aspect_features(graph: TKGGraph, aspect: AspectGraph, train_pairs: torch.Tensor, dim: int, steps: int,
+                    aspect_dim: int, mini_dim: int, generator: torch.Generator,
+                    rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The output of one aspect: seed labels -> propagation -> triple view (rows ``rows``)."""
+    device = graph.entity_entity.device
+    e0 = seed_labels(graph.num_entities, train_pairs.cpu(), dim, generator).to(device)
+    e_bar, x_cat = propagate(graph.entity_entity, aspect, e0, steps)
+    return triple_view(graph, aspect, e_bar, x_cat, aspect_dim, mini_dim, generator, rows)
