@@ -8,6 +8,10 @@ scores of shape ``(b,)``) would otherwise need matching shapes on both sides; mi
 ``op.preamble.length <= op.nbytes`` (`rlhf_placement.md` §4.7). Bytes are copied verbatim, so transfers are
 bit-exact for every dtype (bf16 included).
 
+Channels are told apart by their tag (a hash of the name). gloo matches tags; NCCL ignores them and delivers the
+messages of one rank pair in issue order, so on NCCL two channels between the same pair must be used in the same
+order on both sides.
+
 Every wait has a timeout; a stalled or dead peer becomes a `ChannelTimeoutError` / `ChannelError` naming this rank,
 the peer rank and the channel. On gloo a receive that times out closes the connection to that peer, so a timeout is
 fatal for the pair: let the error end the job.

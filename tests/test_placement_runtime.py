@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from hf_placement import (
     Channel,
+    ChannelError,
     ChannelTimeoutError,
     PlacementPlan,
     RoleCall,
@@ -145,6 +146,18 @@ def _runtime_checks(rank: int, world: int, out_dir: str) -> dict:
             checks["channel_roundtrip"] = _trees_equal(got, _message(peer))
             ch.send(torch.full((2, 2), float(rank)))
         info["bytes"] = ch.bytes_sent + ch.bytes_received
+
+    # --- pipelining: the producer runs up to 2 messages ahead (bounded); order and contents are preserved
+    pipe = Channel(peer, f"test:pipe:{min(rank, peer)}-{max(rank, peer)}", timeout_s=60, max_in_flight=2)
+    if rank % 2 == 0:
+        for i in range(4):
+            pipe.send({"step": i, "x": torch.full((i + 1,), float(i))}, wait=False)
+            checks["pipe_pending_bounded"] = checks.get("pipe_pending_bounded", True) and len(pipe._pending) <= 2
+        pipe.flush()
+    else:
+        got = [pipe.recv() for _ in range(4)]
+        checks["pipe_in_order"] = all(m["step"] == i and torch.equal(m["x"], torch.full((i + 1,), float(i)))
+                                      for i, m in enumerate(got))
 
     # --- owner dispatch: ref on the first half, reward on the second, running concurrently
     ref_model, reward_model = _frozen_model(1, 3), _frozen_model(2, 1)
@@ -279,6 +292,14 @@ def _runtime_checks(rank: int, world: int, out_dir: str) -> dict:
                                "elapsed": time.monotonic() - start}
     elif rank == 1:
         time.sleep(4.0)
+    # --- a peer that is gone: rank 3 leaves the job; rank 2's receive fails naming rank 3 instead of hanging
+    if world >= 4 and rank == 2:
+        gone = Channel(3, "test:gone", timeout_s=30.0)
+        try:
+            gone.recv()
+            checks["gone"] = None
+        except ChannelError as exc:
+            checks["gone"] = {"peer": exc.peer, "message": str(exc)}
     return checks
 
 
@@ -317,6 +338,9 @@ def _assert_runtime(results: list[dict], world: int, out_dir) -> None:
     assert stall is not None and stall["peer"] == 1 and stall["channel"] == "test:stall"
     assert "peer rank 1" in stall["message"] and "'test:stall'" in stall["message"]
     assert stall["elapsed"] < 30  # bounded by the 2 s channel timeout, not by the harness timeout
+    if world >= 4:
+        gone = results[2]["gone"]
+        assert gone is not None and gone["peer"] == 3 and "peer rank 3" in gone["message"]
 
 
 def test_runtime_two_ranks(tmp_path):
