@@ -304,7 +304,8 @@ class PPOTrainer:
                 cb for cb in self.callback_handler.callbacks + [self.control] if isinstance(cb, ExportableState)
             ],
         )
-        self.timings: dict[str, float] = defaultdict(float)
+        self.timings: dict[str, float] = defaultdict(float)  # seconds per phase, summed over iterations
+        self.phase_history: list[dict[str, float]] = []  # the same, per iteration
         if args.should_save and is_zero:
             os.makedirs(args.output_dir, exist_ok=True)
 
@@ -577,6 +578,7 @@ class PPOTrainer:
         stats = self.train_on_experience(exp, update)
         t3 = time.perf_counter()
         self.last_timings = {"generation": t1 - t0, "experience": t2 - t1, "training": t3 - t2}
+        self.phase_history.append(self.last_timings)
         for k, v in self.last_timings.items():
             self.timings[k] += v
         return exp, stats
