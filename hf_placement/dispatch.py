@@ -47,10 +47,12 @@ class RoleHandle:
             and its partners (tensor leaves concatenated on dim 0) instead of once per micro-batch.
         timeline (`Timeline`, *optional*): records the owner's compute as phase ``role`` and the dispatch transfers
             as ``"dispatch:<role>"`` with their bytes.
+        device (`torch.device`, *optional*): device of the transfer buffers (CUDA with NCCL); defaults to CPU.
     """
 
     def __init__(self, plan: PlacementPlan, role: str, data_ranks: Sequence[int] | None = None,
-                 timeout_s: float = 60.0, concat: bool = False, timeline: Timeline | None = None):
+                 timeout_s: float = 60.0, concat: bool = False, timeline: Timeline | None = None,
+                 device: torch.device | str | None = None):
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: role handles need a process group.")
         self.plan, self.role = plan, role
@@ -62,6 +64,7 @@ class RoleHandle:
             raise ValueError(f"data_ranks {bad} are outside the world of {plan.world_size} ranks.")
         self.partner_map = plan.partners(role, self.data_ranks)
         self.timeout_s, self.concat, self.timeline = float(timeout_s), bool(concat), timeline
+        self.device = device
         self.is_owner = self.rank in self.owners
         self.is_data = self.rank in self.data_ranks
         self.owner = plan.owner_of(role, self.rank, self.data_ranks) if self.is_data else None
@@ -83,7 +86,7 @@ class RoleHandle:
             # The name (hence the tag) must be the same on both sides: it names the data rank and its owner.
             data_rank, owner = (peer, self.rank) if self.is_owner else (self.rank, peer)
             name = f"role:{self.role}:{direction}:data{data_rank}:owner{owner}"
-            self._channels[key] = Channel(peer, name, self.timeout_s)
+            self._channels[key] = Channel(peer, name, self.timeout_s, device=self.device)
         return self._channels[key]
 
     @property

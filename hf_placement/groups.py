@@ -17,6 +17,7 @@ pair groups are needed on gloo.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -114,6 +115,18 @@ def build_role_groups(plan: PlacementPlan, timeout_s: float = DEFAULT_GROUP_TIME
         raise ValueError(f"timeout_s must be positive, got {timeout_s}.")
     plan.check_world_size(dist.get_world_size())
     rank_sets = planned_rank_sets(plan, extra_rank_sets)
+    # Created once per process-group lifetime: every rank calls with the same arguments, so every rank hits or
+    # misses the cache together and the collective new_group calls stay matched.
+    key = (id(dist.group.WORLD), json.dumps(plan.to_dict(), sort_keys=True), tuple(rank_sets), float(timeout_s),
+           backend)
+    cached = _ROLE_GROUPS_CACHE.get(key)
+    if cached is not None:
+        return cached
     created = new_process_groups(rank_sets, timeout_s=timeout_s, backend=backend)
-    return RoleGroups(plan=plan, rank=dist.get_rank(), timeout_s=float(timeout_s), rank_sets=rank_sets,
-                      _groups=dict(zip(rank_sets, created)))
+    groups = RoleGroups(plan=plan, rank=dist.get_rank(), timeout_s=float(timeout_s), rank_sets=rank_sets,
+                        _groups=dict(zip(rank_sets, created)))
+    _ROLE_GROUPS_CACHE[key] = groups
+    return groups
+
+
+_ROLE_GROUPS_CACHE: dict[tuple, RoleGroups] = {}

@@ -125,6 +125,7 @@ def _runtime_checks(rank: int, world: int, out_dir: str) -> dict:
         groups = build_role_groups(inter, timeout_s=60, extra_rank_sets=owner_pairs)
         dis = PlacementPlan.disaggregated(world)
         dgroups = build_role_groups(dis, timeout_s=60)
+    checks["groups_created_once"] = build_role_groups(inter, timeout_s=60, extra_rank_sets=owner_pairs) is groups
     ref_group = groups.group("ref")
     checks["ref_group_membership"] = (ref_group is not None) == (rank in inter.roles["ref"])
     if ref_group is not None:
