@@ -1,0 +1,451 @@
+"""The sharding service's state machine: pure ``decide(state, request, now) -> Decision``.
+
+Legend of a shard's life (our state names, DLRover/ElasticDL lineage; AntDT's own are not published):
+
+- ``TODO``  : waiting to be leased; ``acked`` samples of it (from its start, in its own order) are already consumed,
+              so a lease hands out only the unconsumed tail ``[acked, size)``.
+- ``DOING`` : leased by ``owner`` (rank) in ``incarnation`` under fencing ``token`` until ``deadline``; acks move
+              ``acked`` forward; heartbeats move ``deadline``.
+- ``DONE``  : every sample acked.
+
+`decide` never mutates its inputs: it validates the *whole* request first (so a rejected request changes nothing),
+then returns the rows to write and the reply. The store commits the rows (fsync) before the server replies, then
+`apply` folds them into the in-memory state. Acks are idempotent by construction (absolute offsets); leases carry a
+client request id whose reply is replayed, so a request retried after a crash between commit and reply is safe.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .config import ControllerConfig, JobConfig, MonitorConfig
+from .controller import Plan, controller_step, initial_control_state, monitor_observe
+from .errors import BadRequestError, FencedError, NotFoundError, StaleIncarnationError, UnknownWorkerError
+
+__all__ = ["Decision", "JobState", "Shard", "Worker", "apply", "decide", "new_job_state", "shard_sample_ids"]
+
+TODO, DOING, DONE = "TODO", "DOING", "DONE"
+OPS = ("register", "lease", "ack", "renew", "release", "commit", "restore", "plan", "status", "metrics")
+_REPLY_CACHE = 64
+
+
+@dataclass(frozen=True)
+class Shard:
+    epoch: int
+    shard_id: int
+    start: int
+    end: int
+    order: int
+    state: str = TODO
+    owner: int = -1
+    incarnation: int = -1
+    token: int = 0
+    deadline: float = 0.0
+    acked: int = 0
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.epoch, self.shard_id)
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Worker:
+    rank: int
+    incarnation: int
+    pid: int = 0
+    max_micro_batch: int | None = None
+
+
+@dataclass
+class JobState:
+    """Everything the service knows; rebuilt from SQLite at start-up."""
+
+    job: JobConfig
+    monitor_cfg: MonitorConfig
+    controller_cfg: ControllerConfig
+    epoch: int = 0
+    lease_seq: int = 0
+    shards: dict[tuple[int, int], Shard] = field(default_factory=dict)
+    workers: dict[int, Worker] = field(default_factory=dict)
+    control: dict = field(default_factory=dict)
+    snapshots: dict[int, dict] = field(default_factory=dict)
+    replies: dict[tuple[int, str], dict] = field(default_factory=dict)
+
+
+@dataclass
+class Decision:
+    """Rows to persist and the reply. ``replace_shards`` means the shard table is replaced (restore)."""
+
+    reply: dict[str, Any]
+    shards: list[Shard] = field(default_factory=list)
+    replace_shards: bool = False
+    workers: list[Worker] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+    snapshot_put: tuple[int, dict] | None = None
+    snapshot_drop: list[int] = field(default_factory=list)
+    reply_cache: tuple[int, str] | None = None
+
+    @property
+    def mutates(self) -> bool:
+        return bool(self.shards or self.replace_shards or self.workers or self.meta or self.snapshot_put
+                    or self.snapshot_drop or self.reply_cache)
+
+
+def make_epoch_shards(job: JobConfig, epoch: int) -> list[Shard]:
+    """Contiguous sample-id ranges; with ``shuffle`` their lease order is a seeded permutation per epoch."""
+    n = -(-job.dataset_size // job.shard_size)
+    order = np.arange(n)
+    if job.shuffle:
+        order = np.random.default_rng([job.seed, epoch]).permutation(n)
+    return [Shard(epoch, i, i * job.shard_size, min((i + 1) * job.shard_size, job.dataset_size), int(order[i]))
+            for i in range(n)]
+
+
+def shard_sample_ids(job: JobConfig, epoch: int, shard_id: int, start: int, end: int) -> np.ndarray:
+    """Sample ids of a shard in consumption order (seeded in-shard shuffle), computed identically by every party."""
+    ids = np.arange(start, end, dtype=np.int64)
+    if job.shuffle:
+        ids = start + np.random.default_rng([job.seed, epoch, shard_id, 1]).permutation(end - start)
+    return ids
+
+
+def new_job_state(job: JobConfig, monitor_cfg: MonitorConfig, controller_cfg: ControllerConfig) -> JobState:
+    st = JobState(job, monitor_cfg, controller_cfg)
+    st.shards = {s.key: s for s in make_epoch_shards(job, 0)}
+    st.control = initial_control_state(job.world_size, job.initial_batch_sizes())
+    st.snapshots[0] = _snapshot(st)
+    return st
+
+
+def _snapshot(st: JobState) -> dict:
+    # In-flight shards are stored as TODO at their acked offset: the checkpointed model saw exactly the acked part.
+    rows = [[s.epoch, s.shard_id, s.start, s.end, s.order, DONE if s.state == DONE else TODO, s.acked]
+            for s in st.shards.values()]
+    return {"epoch": st.epoch, "shards": rows, "plan": st.control["plan"]}
+
+
+# ---------------------------------------------------------------------------------------------------- validation
+def _int(req: dict, name: str, lo: int | None = None, hi: int | None = None, default: Any = ...) -> int:
+    if name not in req:
+        if default is ...:
+            raise BadRequestError(f"field {name!r} is required.")
+        return default
+    v = req[name]
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise BadRequestError(f"field {name!r} must be an integer, got {type(v).__name__}.")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise BadRequestError(f"field {name!r}={v} is out of range [{lo}, {hi}].")
+    return v
+
+
+def _num(req: dict, name: str, default: float = 0.0) -> float:
+    v = req.get(name, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0 or v > 1e9:
+        raise BadRequestError(f"field {name!r} must be a finite non-negative number, got {v!r}.")
+    return float(v)
+
+
+def _items(req: dict, max_items: int = 256) -> list[dict]:
+    items = req.get("items", [])
+    if not isinstance(items, list) or len(items) > max_items or not all(isinstance(i, dict) for i in items):
+        raise BadRequestError(f"field 'items' must be a list of at most {max_items} objects.")
+    return items
+
+
+def _worker(st: JobState, req: dict) -> tuple[int, int]:
+    rank = _int(req, "rank", 0, 1 << 20)
+    inc = _int(req, "incarnation", 0, 1 << 30)
+    if rank >= st.job.world_size:
+        raise UnknownWorkerError(f"rank {rank} is outside this job's world_size={st.job.world_size}.")
+    w = st.workers.get(rank)
+    if w is None:
+        raise UnknownWorkerError(f"rank {rank} has not registered; call register first.")
+    if inc < w.incarnation:
+        raise StaleIncarnationError(f"rank {rank} incarnation {inc} is older than the registered incarnation "
+                                    f"{w.incarnation}: this process was replaced by a restart and must stop.")
+    if inc > w.incarnation:
+        raise StaleIncarnationError(f"rank {rank} incarnation {inc} has not registered (registered: "
+                                    f"{w.incarnation}); call register first.")
+    return rank, inc
+
+
+def _expired(st: JobState, now: float) -> dict[tuple[int, int], Shard]:
+    """Leases past their deadline go back to TODO keeping their acked offset (only the tail is redone)."""
+    return {k: dataclasses.replace(s, state=TODO, owner=-1, incarnation=-1, deadline=0.0)
+            for k, s in st.shards.items() if s.state == DOING and s.deadline < now}
+
+
+def _view(st: JobState, changed: dict[tuple[int, int], Shard], key: tuple[int, int]) -> Shard | None:
+    return changed.get(key, st.shards.get(key))
+
+
+def _shard_reply(s: Shard) -> dict:
+    return {"epoch": s.epoch, "shard_id": s.shard_id, "start": s.start, "end": s.end, "offset": s.acked,
+            "token": s.token}
+
+
+def _check_lease(st: JobState, changed: dict, item: dict, rank: int, inc: int) -> Shard:
+    key = (_int(item, "epoch", 0), _int(item, "shard_id", 0))
+    token = _int(item, "token", 0)
+    s = _view(st, changed, key)
+    if s is None:
+        raise FencedError(f"shard {key} does not exist (any more): the state was restored to a checkpoint.")
+    if s.token != token or s.owner != rank or s.incarnation != inc:
+        raise FencedError(f"shard {key} token {token} is not held by rank {rank}/incarnation {inc} (current "
+                          f"token {s.token}, owner {s.owner}): the lease expired or was revoked.")
+    return s
+
+
+# ---------------------------------------------------------------------------------------------------- decide
+def decide(st: JobState, req: dict, now: float) -> Decision:
+    """Validate ``req`` (``{"op": ..., ...}``) against ``st`` and return what to write and reply. Pure."""
+    if not isinstance(req, dict):
+        raise BadRequestError("the request body must be a JSON object.")
+    op = req.get("op")
+    if op not in OPS:
+        raise BadRequestError(f"unknown op {op!r}; valid ops are {list(OPS)}.")
+    return _HANDLERS[op](st, req, now)
+
+
+def _register(st: JobState, req: dict, now: float) -> Decision:
+    rank = _int(req, "rank", 0, 1 << 20)
+    inc = _int(req, "incarnation", 0, 1 << 30)
+    pid = _int(req, "pid", 0, 1 << 31, default=0)
+    cap = req.get("max_micro_batch")
+    if cap is not None:
+        cap = _int(req, "max_micro_batch", 1, 1 << 24)
+    if rank >= st.job.world_size:
+        raise UnknownWorkerError(f"rank {rank} is outside this job's world_size={st.job.world_size}.")
+    old = st.workers.get(rank)
+    if old is not None and inc < old.incarnation:
+        raise StaleIncarnationError(f"rank {rank} incarnation {inc} is older than the registered incarnation "
+                                    f"{old.incarnation}.")
+    d = Decision(reply={})
+    # A newer incarnation fences every lease of the older one: its unconsumed tails go back to TODO.
+    if old is not None and inc > old.incarnation:
+        d.shards = [dataclasses.replace(s, state=TODO, owner=-1, incarnation=-1, deadline=0.0)
+                    for s in st.shards.values() if s.state == DOING and s.owner == rank]
+    w = Worker(rank, inc, pid, cap)
+    if w != old:
+        d.workers = [w]
+    plan = dict(st.control["plan"])
+    if cap != (plan["micro_batch"][rank] if plan["micro_batch"] else None):
+        micro = list(plan["micro_batch"])
+        micro[rank] = cap
+        plan["micro_batch"] = micro
+        control = copy.deepcopy(st.control)
+        control["plan"] = plan
+        d.meta["control"] = control
+    d.reply = {"job": st.job.to_dict(), "plan": plan, "epoch": st.epoch}
+    return d
+
+
+def _lease(st: JobState, req: dict, now: float) -> Decision:
+    rank, inc = _worker(st, req)
+    req_id = req.get("request_id")
+    if not isinstance(req_id, str) or not 0 < len(req_id) <= 64:
+        raise BadRequestError("field 'request_id' must be a string of 1..64 characters (it makes retries safe).")
+    cached = st.replies.get((rank, req_id))
+    if cached is not None:
+        return Decision(reply=cached)
+    changed = _expired(st, now)
+    epoch = st.epoch
+    d = Decision(reply={})
+    todo = sorted((s for s in st.shards.values() if _view(st, changed, s.key).state == TODO),
+                  key=lambda s: (s.epoch, s.order))
+    if not todo and epoch + 1 < st.job.num_epochs:
+        # No epoch barrier: the next epoch opens as soon as the current one has nothing left to lease (shards still
+        # in flight finish in parallel), so ranks never idle at a boundary. Fully DONE epochs are dropped from the
+        # table; snapshots keep what a restore needs.
+        epoch += 1
+        keep = {k: _view(st, changed, k) for k in st.shards}
+        live = {e for e in {k[0] for k in keep} if any(v.state != DONE for v in keep.values() if v.epoch == e)}
+        fresh = make_epoch_shards(st.job, epoch)
+        changed = {k: v for k, v in keep.items() if v.epoch in live} | {s.key: s for s in fresh}
+        d.replace_shards = True
+        d.meta["epoch"] = epoch
+        todo = sorted(fresh, key=lambda s: s.order)
+    if todo:
+        head = _view(st, changed, todo[0].key)
+        seq = st.lease_seq + 1
+        leased = dataclasses.replace(head, state=DOING, owner=rank, incarnation=inc, token=seq,
+                                     deadline=now + st.job.lease_ttl_s)
+        changed[leased.key] = leased
+        d.meta["lease_seq"] = seq
+        d.reply = {"status": "shard", "shard": _shard_reply(leased)}
+    else:
+        # Drained: nothing left to lease in the last epoch. Only a lease that expires or is released can bring
+        # work back; `others` says whether anybody but the caller still holds leases.
+        doing = [_view(st, changed, k) for k in st.shards if _view(st, changed, k).state == DOING]
+        others = sum(1 for s in doing if s.owner != rank)
+        d.reply = {"status": "wait", "others": others} if doing else {"status": "end"}
+    d.shards = list(changed.values())
+    d.reply_cache = (rank, req_id)
+    return d
+
+
+def _ack(st: JobState, req: dict, now: float) -> Decision:
+    rank, inc = _worker(st, req)
+    items = _items(req)
+    changed = _expired(st, now)
+    updates: dict[tuple[int, int], Shard] = {}
+    for item in items:
+        key = (_int(item, "epoch", 0), _int(item, "shard_id", 0))
+        s = updates.get(key) or _view(st, changed, key)
+        offset = _int(item, "offset", 0)
+        token = _int(item, "token", 0)
+        # Idempotent replay: the shard finished under this very token by this rank; nothing left to do.
+        if s is not None and s.state == DONE and s.token == token and s.owner == rank and offset == s.size:
+            continue
+        s = _check_lease(st, {**changed, **updates}, item, rank, inc)
+        if s.state != DOING:
+            raise FencedError(f"shard {key} is {s.state}, not leased: the lease expired before this ack.")
+        if not s.acked <= offset <= s.size:
+            raise BadRequestError(f"ack offset {offset} of shard {key} must lie in [acked={s.acked}, size={s.size}].")
+        done = offset == s.size
+        updates[key] = dataclasses.replace(s, acked=offset, state=DONE if done else DOING,
+                                           deadline=s.deadline if done else now + st.job.lease_ttl_s)
+    d = Decision(reply={}, shards=list({**changed, **updates}.values()))
+    metrics = req.get("metrics")
+    control = st.control
+    if metrics is not None:
+        if not isinstance(metrics, dict):
+            raise BadRequestError("field 'metrics' must be an object {step, samples, compute_s}.")
+        step = _int(metrics, "step", 0)
+        samples = _int(metrics, "samples", 0, 1 << 24)
+        compute_s = _num(metrics, "compute_s")
+        control = copy.deepcopy(st.control)
+        if monitor_observe(control["monitor"], st.monitor_cfg, rank, step, samples, compute_s):
+            remaining = _remaining_samples(st, updates)
+            control = controller_step(control, st.monitor_cfg, st.controller_cfg, remaining)
+        d.meta["control"] = control
+    d.reply = {"ok": True, "plan": control["plan"]}
+    return d
+
+
+def _remaining_samples(st: JobState, updates: dict) -> int:
+    cur = sum(_view(st, updates, k).size - _view(st, updates, k).acked for k in st.shards)
+    return cur + (st.job.num_epochs - 1 - st.epoch) * st.job.dataset_size
+
+
+def _renew(st: JobState, req: dict, now: float) -> Decision:
+    rank, inc = _worker(st, req)
+    changed = _expired(st, now)
+    renewed, fenced = [], []
+    for item in _items(req):
+        try:
+            s = _check_lease(st, changed, item, rank, inc)
+        except FencedError:
+            fenced.append([item.get("epoch"), item.get("shard_id"), item.get("token")])
+            continue
+        if s.state == DOING:
+            changed[s.key] = dataclasses.replace(s, deadline=now + st.job.lease_ttl_s)
+        renewed.append([s.epoch, s.shard_id, s.token])
+    return Decision(reply={"renewed": renewed, "fenced": fenced}, shards=list(changed.values()))
+
+
+def _release(st: JobState, req: dict, now: float) -> Decision:
+    """Give leases back (a worker shutting down with prefetched shards): their tails return to TODO."""
+    rank, inc = _worker(st, req)
+    changed = _expired(st, now)
+    for item in _items(req):
+        try:
+            s = _check_lease(st, changed, item, rank, inc)
+        except FencedError:
+            continue
+        if s.state == DOING:
+            changed[s.key] = dataclasses.replace(s, state=TODO, owner=-1, incarnation=-1, deadline=0.0)
+    return Decision(reply={"ok": True}, shards=list(changed.values()))
+
+
+def _commit(st: JobState, req: dict, now: float) -> Decision:
+    """Snapshot the acked progress under ``checkpoint_id`` (the checkpoint's global step)."""
+    _worker(st, req)
+    cid = _int(req, "checkpoint_id", 1, 1 << 40)
+    keep = sorted(k for k in st.snapshots if k not in (0, cid))
+    drop = keep[: max(0, len(keep) + 1 - st.job.keep_snapshots)]
+    return Decision(reply={"ok": True, "checkpoint_id": cid}, snapshot_put=(cid, _snapshot(st)), snapshot_drop=drop)
+
+
+def _restore(st: JobState, req: dict, now: float) -> Decision:
+    """Roll progress back to snapshot ``checkpoint_id``: every lease is revoked, acked offsets are the snapshot's."""
+    _worker(st, req)
+    cid = _int(req, "checkpoint_id", 0, 1 << 40)
+    snap = st.snapshots.get(cid)
+    if snap is None:
+        raise NotFoundError(f"no snapshot for checkpoint {cid}; available: {sorted(st.snapshots)}. The checkpoint "
+                            "was written without its snapshot being committed; resume from an earlier checkpoint.")
+    shards = [Shard(e, i, a, b, o, state, -1, -1, 0, 0.0, acked) for e, i, a, b, o, state, acked in snap["shards"]]
+    control = copy.deepcopy(st.control)
+    plan = dict(snap["plan"])
+    # The restart budget and the measurements are not rolled back: a restart must not be re-issued forever.
+    plan["version"] = control["plan"]["version"] + 1
+    plan["actions"] = {}
+    plan["micro_batch"] = control["plan"]["micro_batch"]
+    control["plan"] = plan
+    control["streak"] = [0] * st.job.world_size
+    control["classes"] = ["normal"] * st.job.world_size
+    return Decision(reply={"ok": True, "checkpoint_id": cid, "epoch": snap["epoch"], "plan": plan},
+                    shards=shards, replace_shards=True, meta={"epoch": snap["epoch"], "control": control})
+
+
+def _plan(st: JobState, req: dict, now: float) -> Decision:
+    return Decision(reply={"plan": st.control["plan"]})
+
+
+def _status(st: JobState, req: dict, now: float) -> Decision:
+    counts = {TODO: 0, DOING: 0, DONE: 0}
+    consumed = 0
+    for s in st.shards.values():
+        counts[s.state] += 1
+        consumed += s.acked
+    return Decision(reply={"epoch": st.epoch, "counts": counts, "acked_samples": consumed,
+                           "workers": {str(w.rank): w.incarnation for w in st.workers.values()},
+                           "plan": st.control["plan"], "classes": st.control["classes"],
+                           "snapshots": sorted(st.snapshots), "restarts": st.control["restarts"],
+                           "job": st.job.to_dict()})
+
+
+def _metrics(st: JobState, req: dict, now: float) -> Decision:
+    return Decision(reply={"windows": st.control["monitor"]["windows"], "history": st.control["history"]})
+
+
+_HANDLERS = {"register": _register, "lease": _lease, "ack": _ack, "renew": _renew, "release": _release,
+             "commit": _commit, "restore": _restore, "plan": _plan, "status": _status, "metrics": _metrics}
+
+
+def apply(st: JobState, d: Decision) -> None:
+    """Fold a committed decision into the in-memory state."""
+    if d.replace_shards:
+        st.shards = {}
+    for s in d.shards:
+        st.shards[s.key] = s
+    for w in d.workers:
+        st.workers[w.rank] = w
+    if "epoch" in d.meta:
+        st.epoch = int(d.meta["epoch"])
+    if "lease_seq" in d.meta:
+        st.lease_seq = int(d.meta["lease_seq"])
+    if "control" in d.meta:
+        st.control = d.meta["control"]
+    if d.snapshot_put is not None:
+        st.snapshots[d.snapshot_put[0]] = d.snapshot_put[1]
+    for k in d.snapshot_drop:
+        st.snapshots.pop(k, None)
+    if d.reply_cache is not None:
+        st.replies[d.reply_cache] = d.reply
+        while len(st.replies) > _REPLY_CACHE * st.job.world_size:
+            st.replies.pop(next(iter(st.replies)))
+
+
+def plan_of(st: JobState) -> Plan:
+    return Plan.from_dict(st.control["plan"])

@@ -1,0 +1,174 @@
+"""`AntDTAgent`: the worker-side Agent as a Trainer callback with exportable state.
+
+When it acts (hook order of transformers 5, one optimizer step):
+
+- ``on_train_begin``: register with the service as (rank, ``TORCHELASTIC_RESTART_COUNT``); rank 0 restores the
+  service to the snapshot of the checkpoint being resumed (snapshot 0 on a fresh start), so progress acknowledged
+  after that checkpoint (by a model state that no longer exists) is rolled back; then a barrier.
+- ``on_step_end``: acknowledge the samples this step consumed and report its local compute time (asynchronously: a
+  sender thread keeps the RPC off the step's critical path); adopt a new plan from the reply (it applies from the
+  next fetch); stop training at the last batch; before a checkpoint, flush acks, barrier, and rank 0 commits the
+  service snapshot under the checkpoint's global step.
+- ``on_save``: after a checkpoint requested for a kill-and-restart, exit with `EXIT_RESTART` so ``torchrun
+  --max-restarts`` restarts the group, which resumes from that checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+
+import torch.distributed as dist
+from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
+from transformers.utils import logging
+
+from .config import AgentConfig
+from .controller import Plan
+from .dataset import ServiceIterableDataset
+from .errors import AntDTError
+
+__all__ = ["EXIT_RESTART", "AntDTAgent"]
+
+logger = logging.get_logger(__name__)
+
+EXIT_RESTART = 75
+"""Exit code of a worker that checkpointed and leaves for a kill-and-restart (any non-zero code restarts)."""
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+class AntDTAgent(TrainerCallback, ExportableState):
+    """Connects a Trainer run to the AntDT sharding service (use with `AntDTTrainerMixin`).
+
+    Args:
+        config (`AgentConfig` or `dict`, *optional*): client settings; the token is never saved in a checkpoint.
+        last_checkpoint_id (`int`, *optional*, defaults to 0): last committed snapshot (restored from a checkpoint).
+        plan_version (`int`, *optional*, defaults to -1): last plan applied (restored from a checkpoint).
+    """
+
+    def __init__(self, config: AgentConfig | dict | None = None, last_checkpoint_id: int = 0, plan_version: int = -1):
+        if isinstance(config, dict):
+            config = AgentConfig.from_dict(config)
+        self.config = config or AgentConfig()
+        self.last_checkpoint_id = int(last_checkpoint_id)
+        self.plan_version = int(plan_version)
+        self.dataset: ServiceIterableDataset | None = None
+        self.history: list[dict] = []
+        self.overhead_s = 0.0
+        self.steps = 0
+        self._queue: queue.Queue = queue.Queue()
+        self._sender: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._exit_after_save = False
+        self._last_end: float | None = None
+
+    def state(self) -> dict:
+        cfg = self.config.to_dict()
+        cfg["token"] = None  # runtime secret: read again from ANTDT_TOKEN on resume
+        return {"args": {"config": cfg, "last_checkpoint_id": self.last_checkpoint_id,
+                         "plan_version": self.plan_version}, "attributes": {}}
+
+    # ------------------------------------------------------------------------------------------- sender
+    def _send_loop(self) -> None:
+        assert self.dataset is not None
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                items, metrics = job
+                if self._error is None:
+                    reply = self.dataset.client.ack(items, metrics)
+                    self.dataset.mark_acked(items)
+                    if self.dataset.apply_plan(Plan.from_dict(reply["plan"])):
+                        self.plan_version = self.dataset.plan_version
+                        logger.info("antdt rank %d: plan v%d -> batch size %d", self.dataset.rank,
+                                    self.plan_version, self.dataset.batch_size)
+            except BaseException as e:  # noqa: BLE001 - re-raised on the training thread
+                self._error = e
+            finally:
+                self._queue.task_done()
+
+    def flush(self) -> None:
+        """Wait until every queued ack is accepted; re-raise a refusal (e.g. `FencedError`) here."""
+        self._queue.join()
+        if self._error is not None:
+            raise self._error
+
+    # ------------------------------------------------------------------------------------------- hooks
+    def on_train_begin(self, args, state, control, **kwargs):
+        dl = kwargs.get("train_dataloader")
+        ds = getattr(dl, "dataset", None)
+        if not isinstance(ds, ServiceIterableDataset):
+            raise TypeError("AntDTAgent needs the train dataloader to read a ServiceIterableDataset; use a Trainer "
+                            "with AntDTTrainerMixin (e.g. AntDTTrainer), which builds it.")
+        self.dataset = ds
+        ds.connect()
+        if ds.rank == 0:
+            # Fresh start -> snapshot 0 (what a previous, crashed attempt consumed is rolled back too).
+            ds.client.restore(int(state.global_step))
+            logger.info("antdt: service restored to checkpoint step %d", state.global_step)
+        _barrier()
+        ds.apply_plan(Plan.from_dict(ds.client.plan()["plan"]), force=True)
+        self.plan_version = ds.plan_version
+        self._sender = threading.Thread(target=self._send_loop, name="antdt-acks", daemon=True)
+        self._sender.start()
+        self._last_end = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        t0 = time.perf_counter()
+        ds = self.dataset
+        if ds is None:
+            raise AntDTError("AntDTAgent.on_step_end ran before on_train_begin.")
+        if self._error is not None:
+            raise self._error
+        meta = ds.current_meta
+        if meta is None:
+            raise AntDTError("no AntDT batch metadata for this step: the Trainer must be an AntDTTrainerMixin.")
+        ds.current_meta = None
+        metrics = None
+        if meta.local_samples > 0 and meta.compute_s > 0:
+            metrics = {"step": int(state.global_step), "samples": meta.local_samples, "compute_s": meta.compute_s}
+        self._queue.put((meta.ack_items, metrics))
+        step_s = t0 - self._last_end if self._last_end is not None else 0.0
+        self.history.append({"step": int(state.global_step), "batch_size": meta.local_samples,
+                             "global_batch": meta.global_samples, "compute_s": meta.compute_s, "step_s": step_s,
+                             "plan_version": ds.plan_version})
+        if meta.last:
+            control.should_training_stop = True
+        if meta.restart:
+            control.should_save = True
+            self._exit_after_save = True
+        if control.should_save:
+            self.flush()
+            _barrier()  # every rank's acks for this step are in
+            if ds.rank == 0:
+                ds.client.commit(int(state.global_step))
+            self.last_checkpoint_id = int(state.global_step)
+        self.steps += 1
+        self._last_end = time.perf_counter()
+        self.overhead_s += self._last_end - t0
+
+    def on_save(self, args, state, control, **kwargs):
+        if self._exit_after_save:
+            _barrier()
+            logger.warning("antdt rank %s: checkpoint %d written; exiting with code %d for a kill-and-restart",
+                           os.environ.get("RANK", "0"), state.global_step, EXIT_RESTART)
+            os._exit(EXIT_RESTART)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.dataset is None:
+            return
+        try:
+            self.flush()
+        finally:
+            self._queue.put(None)
+            if self._sender is not None:
+                self._sender.join(timeout=30)
+            self.dataset.close(release=self._error is None)
