@@ -45,8 +45,8 @@ class RoleHandle:
         timeout_s (`float`, *optional*, defaults to 60): timeout of every transfer.
         concat (`bool`, *optional*, defaults to `False`): run ``fn`` once on the concatenated batches of an owner
             and its partners (tensor leaves concatenated on dim 0) instead of once per micro-batch.
-        timeline (`Timeline`, *optional*): records the owner's compute as phase ``role`` and the dispatch transfers
-            as ``"dispatch:<role>"`` with their bytes.
+        timeline (`Timeline`, *optional*): records an owner's compute as phase ``role``, its receipt of partner
+            inputs as ``"dispatch:<role>"`` and a data rank's wait for its results as ``"wait:<role>"``, with bytes.
         device (`torch.device`, *optional*): device of the transfer buffers (CUDA with NCCL); defaults to CPU.
     """
 
@@ -196,7 +196,8 @@ def run_concurrently(calls: Sequence[RoleCall]) -> list[Any]:
             before = ch.bytes_received
             results[i] = ch.recv()
             if h.timeline is not None:
-                h.timeline.record(f"dispatch:{h.role}", t0, time.time(), bytes=ch.bytes_received - before)
+                # blocked until the owner has computed this rank's result: idle time of a data rank
+                h.timeline.record(f"wait:{h.role}", t0, time.time(), bytes=ch.bytes_received - before)
     for call in calls:
         for ch in call.handle._channels.values():
             ch.flush()

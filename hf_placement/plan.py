@@ -397,6 +397,24 @@ class PlacementPlan:
                 return owner
         raise ValueError(f"rank {rank} is neither an owner of '{role}' nor a data rank it serves.")
 
+    def experience_routes(self) -> dict[int, list[int]]:
+        """Disaggregated plans: rollout rank -> actor ranks that train on its experience.
+
+        Generators and trainers are paired round-robin over ``max(#rollout, #actor)`` slots, so every trainer is fed
+        and every generator feeds at least one trainer; a generator with several trainers splits its micro-batches
+        among them in the listed order.
+        """
+        if not self.is_disaggregated:
+            raise ValueError(f"experience routes exist only in disaggregated plans; this {self.strategy} plan trains "
+                             "on the ranks that generate.")
+        gens, trainers = sorted(self.roles["rollout"]), sorted(self.roles["actor"])
+        out: dict[int, list[int]] = {g: [] for g in gens}
+        for k in range(max(len(gens), len(trainers))):
+            t = trainers[k % len(trainers)]
+            if t not in out[gens[k % len(gens)]]:
+                out[gens[k % len(gens)]].append(t)
+        return out
+
     def sync_pairs(self) -> list[tuple[str, str]]:
         """(trained role, shadow role) pairs that need a weight sync every iteration."""
         return [(src, dst) for dst, src in SHADOW_OF.items() if dst in self.roles]

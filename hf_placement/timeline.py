@@ -1,10 +1,11 @@
 """Per-rank timeline of phases -> Chrome trace JSON, a PNG Gantt chart and a summary with idle time per rank.
 
 Each rank records ``(phase, start, end, bytes)`` events with wall-clock seconds (``time.time()``, comparable across
-processes of one machine; across nodes, clock skew of the hosts shows up as shifts). Idle time is the story of
-placement (`rlhf_placement.md` §4.5): a disaggregated schedule trades idle gaps on one group for overlap, so the
-summary reports, per rank, busy time (union of its intervals), idle time within the iteration span, and time per
-phase. `gather_timelines` collects every rank's events (an object all-gather on a group with a timeout).
+processes of one machine; across nodes, clock skew of the hosts shows up as shifts). Phases named ``wait:<what>``
+mark time blocked on a peer. Idle time is the story of placement (`rlhf_placement.md` §4.5): a disaggregated schedule
+trades idle gaps on one group for overlap, so the summary reports, per rank, busy time (union of its non-wait
+intervals), idle time within the iteration span, explicit waits, and time per phase. `gather_timelines` collects
+every rank's events (an object all-gather on a group with a timeout).
 
 The Chrome trace (``chrome://tracing`` / Perfetto) uses complete events (``"ph": "X"``), microsecond timestamps,
 one process row per rank.
@@ -135,11 +136,18 @@ def _union_length(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def is_wait(phase: str) -> bool:
+    """Whether a phase name marks time blocked on a peer (``wait`` or ``wait:<what>``)."""
+    return phase == "wait" or phase.startswith("wait:")
+
+
 def summarize_timelines(timelines: Sequence[Timeline]) -> dict[str, Any]:
     """Time per phase (summed over ranks and per rank), busy and idle time per rank, bytes per phase.
 
-    Idle time of a rank = span of the whole job's events (earliest start to latest end, over all ranks) minus the
-    union of that rank's intervals, so a rank that waits for another group shows the wait as idle.
+    Busy time of a rank = union of its intervals, except phases named ``wait`` or ``wait:<what>`` (blocked on a
+    peer: a shadow waiting for the trainer's weights, a data rank waiting for its owner's results). Idle time = span
+    of the whole job's events (earliest start to latest end, over all ranks) minus busy time, so both explicit waits
+    and gaps count as idle; ``wait_s`` reports the explicit waits alone.
     """
     events = _all_events(timelines)
     if not events:
@@ -154,11 +162,12 @@ def summarize_timelines(timelines: Sequence[Timeline]) -> dict[str, Any]:
         p["count"] += 1
     ranks: dict[int, dict[str, Any]] = {}
     for tl in timelines:
-        busy = _union_length([(e.start, e.end) for e in tl.events])
+        busy = _union_length([(e.start, e.end) for e in tl.events if not is_wait(e.phase)])
+        wait = _union_length([(e.start, e.end) for e in tl.events if is_wait(e.phase)])
         per_phase: dict[str, float] = {}
         for e in tl.events:
             per_phase[e.phase] = per_phase.get(e.phase, 0.0) + e.duration
-        ranks[tl.rank] = {"busy_s": busy, "idle_s": max(0.0, span - busy),
+        ranks[tl.rank] = {"busy_s": busy, "idle_s": max(0.0, span - busy), "wait_s": wait,
                           "idle_fraction": (max(0.0, span - busy) / span) if span > 0 else 0.0,
                           "bytes": sum(e.bytes for e in tl.events), "phases": per_phase}
     return {"span_s": span, "phases": phases, "ranks": ranks}

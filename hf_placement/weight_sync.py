@@ -112,7 +112,8 @@ class WeightSync:
         param_filter (`str` or `Callable`, *optional*, defaults to `"all"`): which tensors travel (see module doc).
         include_buffers (`bool`, *optional*, defaults to `False`): also sync registered buffers.
         timeout_s (`float`, *optional*, defaults to 120): timeout of every wait.
-        timeline (`Timeline`, *optional*): records a ``"sync"`` phase with its bytes.
+        timeline (`Timeline`, *optional*): records a ``"sync"`` phase with its bytes (on destinations preceded by
+            ``"wait:sync"``, the time spent waiting for the source to start).
 
     Example:
 
@@ -155,6 +156,7 @@ class WeightSync:
         self.version: int | None = None
         self.history: list[SyncStats] = []
         self._channels: dict[int, Channel] = {}
+        self._header_time = 0.0
         if self.participates and module is None:
             raise ValueError(f"rank {self.rank} takes part in the weight sync but module is None.")
 
@@ -197,7 +199,11 @@ class WeightSync:
         self.version = stats.version
         self.history.append(stats)
         if self.timeline is not None:
-            self.timeline.record("sync", start, start + stats.seconds, bytes=stats.bytes)
+            # A destination first waits for the source to start the sync (its header); that part is idle time.
+            begin = start if self.is_source else self._header_time
+            if begin > start:
+                self.timeline.record("wait:sync", start, begin)
+            self.timeline.record("sync", begin, start + stats.seconds, bytes=stats.bytes)
         return stats
 
     def _push(self, version: int | None) -> SyncStats:
@@ -261,6 +267,7 @@ class WeightSync:
         # Problems are collected first and raised only after the payload has been drained, so the source (and the
         # other destinations of a broadcast) complete the transfer instead of waiting for the timeout.
         problems: list[str] = []
+        self._header_time = time.time()
         version = int(header["version"])
         if self.version is not None and version <= self.version:
             problems.append(f"received weight version {version} from rank {self.src}, not newer than the version "

@@ -44,6 +44,11 @@ def test_constructors_follow_the_paper():
     assert dis.roles["actor"] == [0, 1] and dis.roles["rollout"] == [2, 3]
     assert dis.replica_ranks() == [[2], [3]] and dis.data_ranks() == [2, 3]
     assert dis.sync_pairs() == [("actor", "rollout"), ("critic", "value")]
+    assert dis.experience_routes() == {2: [0], 3: [1]}
+    assert PlacementPlan.disaggregated(3, train_ranks=[0]).experience_routes() == {1: [0], 2: [0]}
+    assert PlacementPlan.disaggregated(3, train_ranks=[0, 1]).experience_routes() == {2: [0, 1]}
+    with pytest.raises(ValueError, match="only in disaggregated plans"):
+        inter.experience_routes()
     dis2 = PlacementPlan.disaggregated(3, infer_ranks=[0])
     assert dis2.roles["actor"] == [1, 2] and dis2.roles["reward"] == [0]
     custom = PlacementPlan.custom(4, {"actor": [0, 1, 2, 3], "critic": [0, 1, 2, 3], "ref": [0], "reward": [3]})
@@ -240,22 +245,26 @@ def test_planner_responds_to_the_workload():
         Workload(actor_params=1e6, batch_size=0)
 
 
-def test_plan_cli(tmp_path):
-    out = tmp_path / "ranking.json"
+def test_plan_cli(tmp_path, capsys):
+    from hf_placement.__main__ import main
+
     help_text = subprocess.run([sys.executable, "-m", "hf_placement", "plan", "--help"], capture_output=True,
                                text=True, cwd=REPO, check=True).stdout
     assert "--memory-cap" in help_text and "--measured-generate-s" in help_text
-    run = subprocess.run([sys.executable, "-m", "hf_placement", "plan", "--actor-params", "26M", "--devices", "2",
-                          "--memory-cap", "38x", "--batch-size", "16", "--response-len", "32", "--output", str(out)],
-                         capture_output=True, text=True, cwd=REPO, check=True)
-    assert "NO (must shard)" in run.stdout and "colocated-sharded" in run.stdout
+    out = tmp_path / "ranking.json"
+    assert main(["plan", "--actor-params", "26M", "--devices", "2", "--memory-cap", "38x", "--batch-size", "16",
+                 "--response-len", "32", "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "NO (must shard)" in printed and "colocated-sharded" in printed
     data = json.loads(out.read_text())
     ranking = {e["name"]: e for e in data["ranking"]}
     assert ranking["colocated"]["fits"] is False and ranking["interleaved"]["fits"] is True
     assert data["best"] != "colocated" and data["hardware"]["memory_cap_bytes"] == pytest.approx(38 * 26e6)
-    bad = subprocess.run([sys.executable, "-m", "hf_placement", "plan", "--actor-params", "lots", "--devices", "2"],
-                         capture_output=True, text=True, cwd=REPO)
-    assert bad.returncode == 2 and "not a parameter count" in bad.stderr
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--actor-params", "lots", "--devices", "2"])
+    assert exit_info.value.code == 2 and "not a parameter count" in capsys.readouterr().err
+    assert main(["plan", "--actor-params", "1M", "--devices", "2", "--batch-size", "2", "--micro-batches", "4"]) == 2
+    assert "micro_batches=4 exceeds batch_size=2" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------- wire format, LoRA filter

@@ -278,6 +278,7 @@ def _runtime_checks(rank: int, world: int, out_dir: str) -> dict:
         plot_timeline(timelines, f"{out_dir}/timeline.png")
         summary = summarize_timelines(timelines)
         checks["timeline_summary_ranks"] = sorted(summary["ranks"])
+        checks["timeline_summary"] = summary
         checks["timeline_phases"] = sorted(summary["phases"])
 
     # --- a stalled peer: rank 1 never sends; rank 0's receive fails within its timeout, naming rank 1
@@ -334,7 +335,12 @@ def _assert_runtime(results: list[dict], world: int, out_dir) -> None:
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", png[16:24])
     assert width > 100 and height > 100
-    assert set(results[0]["timeline_phases"]) >= {"sync", "ref", "reward", "dispatch:ref", "dispatch:reward"}
+    assert set(results[0]["timeline_phases"]) >= {"sync", "ref", "reward", "dispatch:ref", "dispatch:reward",
+                                                   "wait:ref", "wait:reward", "wait:sync"}
+    summary = results[0]["timeline_summary"]
+    for info in summary["ranks"].values():
+        assert info["busy_s"] + info["idle_s"] == pytest.approx(summary["span_s"])
+        assert 0 <= info["wait_s"] <= info["idle_s"] + 1e-9
     stall = results[0]["stall"]
     assert stall is not None and stall["peer"] == 1 and stall["channel"] == "test:stall"
     assert "peer rank 1" in stall["message"] and "'test:stall'" in stall["message"]
