@@ -330,8 +330,9 @@ def _from_parquet(folder: Path, num_seeds: int, name: str) -> TKGPair:
     if missing:
         raise TKGDataError(f"{folder}: missing table file(s) {', '.join(missing)}; a parquet TKG pair needs "
                            f"{', '.join(t + '.parquet' for t in TABLES)} (written by TKGPair.save_parquet).")
-    ds = load_dataset("parquet", data_files={k: str(v) for k, v in files.items()})
-    return _from_tables({k: ds[k].data.table for k in TABLES}, num_seeds, name, {k: str(v) for k, v in files.items()})
+    # one load per table: the parquet builder infers a single schema for all splits of one call
+    tables = {k: load_dataset("parquet", data_files=str(v), split="train").data.table for k, v in files.items()}
+    return _from_tables(tables, num_seeds, name, {k: str(v) for k, v in files.items()})
 
 
 _TABLE_COLUMNS = {"facts": ("kg", "head", "relation", "tail", "time_begin", "time_end"),

@@ -9,6 +9,7 @@ round share one blocked similarity pass.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -18,7 +19,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers.utils import logging
 
 from .config import LightTEAConfig
 from .data import TKGPair
@@ -27,7 +27,7 @@ from .propagation import aspect_features, l2n
 from .similarity import TemporalSimilarity, blocked_topk
 from .sinkhorn import sparse_sinkhorn
 
-logger = logging.get_logger(__name__)
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -107,10 +107,14 @@ class LightTEA:
     def __init__(self, config: LightTEAConfig | None = None) -> None:
         self.config = config or LightTEAConfig()
         self.timings: dict[str, float] = defaultdict(float)
+        self._bar = None
+        self._round = 0
 
     # --------------------------------------------------------------------------------------------------------
     @contextmanager
     def _stage(self, name: str, device: torch.device):
+        if self._bar is not None:
+            self._bar.set_description(f"LightTEA round {self._round}: {name}")
         start = time.perf_counter()
         try:
             yield
@@ -151,7 +155,8 @@ class LightTEA:
         gen = torch.Generator().manual_seed(cfg.seed)
         compat = cfg.reference_compat
         aspect_dim = self.aspect_dim(pair)
-        bar = _progress(progress, cfg.rounds)
+        bar = self._bar = _progress(progress, cfg.rounds)
+        self._round = 0
 
         with self._stage("graph", device):
             graph = build_graph(pair).to(device)
@@ -171,6 +176,7 @@ class LightTEA:
         predicted = scores = None
         for rnd in range(1, cfg.rounds + 1):
             t_round = time.perf_counter()
+            self._round = rnd
             with self._stage("label_propagation", device):
                 feats = []
                 for aspect in (graph.relation, graph.time):
@@ -225,6 +231,7 @@ class LightTEA:
                 break
         if bar is not None:
             bar.close()
+            self._bar = None
         return AlignmentResult(
             rounds=rounds,
             predicted=torch.stack([test_left, predicted], dim=1).cpu().numpy(),
