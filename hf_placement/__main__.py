@@ -1,5 +1,7 @@
 """``python -m hf_placement plan``: rank RLHF placement strategies by predicted iteration time under a memory cap.
 
+``python -m hf_placement calibrate`` measures this machine's gloo links and parallel efficiency for the planner.
+
 Example::
 
     python -m hf_placement plan --actor-params 26M --devices 2 --memory-cap 38x \\
@@ -94,7 +96,41 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--measured-inference-s", type=float, help="measured time of the four experience forwards")
     g.add_argument("--measured-train-s", type=float, help="measured actor+critic training time")
     p.add_argument("--output", type=Path, help="write the ranking as JSON here")
+    c = sub.add_parser("calibrate", help="measure gloo links and parallel efficiency on this machine",
+                       description="Measure p2p / broadcast / all-gather latency and bandwidth between local gloo "
+                                   "ranks, and how well N single-thread processes run in parallel; the numbers feed "
+                                   "`plan --link-bandwidth` and qualify any wall-clock comparison.")
+    c.add_argument("--world-size", type=int, default=2, help="ranks for the link measurement (default 2)")
+    c.add_argument("--sizes", default="1KB,1MB,16MB", help="comma-separated transfer sizes (default 1KB,1MB,16MB)")
+    c.add_argument("--repeats", type=int, default=5, help="timed repeats per size (default 5)")
+    c.add_argument("--seconds", type=float, default=2.0, help="duration of each parallel-efficiency run (default 2)")
+    c.add_argument("--output", type=Path, help="write the measurements as JSON here")
     return parser
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from .calibrate import measure_links, parallel_efficiency
+
+    try:
+        sizes = [int(parse_bytes(x)) for x in args.sizes.split(",") if x.strip()]
+    except argparse.ArgumentTypeError as exc:
+        print(f"error: --sizes: {exc}", file=sys.stderr)
+        return 2
+    eff = parallel_efficiency(processes=args.world_size, seconds=args.seconds)
+    print(f"parallel efficiency of {args.world_size} single-thread processes: {eff['efficiency']:.2f} "
+          f"(speed-up {eff['speedup']:.2f}x of an ideal {args.world_size}x)")
+    links = measure_links(args.world_size, sizes, repeats=args.repeats)
+    print(f"{'bytes':>12}  {'p2p s':>10}  {'broadcast s':>12}  {'all_gather s':>12}")
+    for size in links["sizes"]:
+        t = links["seconds"][str(size)]
+        print(f"{size:>12}  {t['p2p']:>10.6f}  {t['broadcast']:>12.6f}  {t['all_gather']:>12.6f}")
+    for op, f in links["fit"].items():
+        print(f"{op:>10}: latency {f['latency_s'] * 1e3:.3f} ms, bandwidth {f['bandwidth'] / 1e9:.3f} GB/s")
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps({"parallel_efficiency": eff, "links": links}, indent=2) + "\n")
+        print(f"wrote {args.output}")
+    return 0
 
 
 def format_table(ranking: list, actor_params: float) -> str:
@@ -151,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "plan":
         return cmd_plan(args)
+    if args.command == "calibrate":
+        return cmd_calibrate(args)
     return 2  # argparse enforces a known command
 
 

@@ -292,3 +292,18 @@ def test_lora_filter_selects_peft_adapters_only():
     assert len(select_tensors(model, "all")) > len(lora)
     with pytest.raises(ValueError, match="param_filter='adapters'"):
         select_tensors(model, "adapters")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_calibration_measurements_have_the_right_shape():
+    from hf_placement.calibrate import measure_links, parallel_efficiency
+
+    links = measure_links(2, sizes=[1024, 65536], repeats=1, timeout=240)
+    assert links["sizes"] == [1024, 65536]
+    for op in ("p2p", "broadcast", "all_gather"):
+        assert links["seconds"]["65536"][op] > 0 and links["fit"][op]["bandwidth"] > 0
+    eff = parallel_efficiency(processes=1, seconds=0.2)
+    assert eff["single_iterations"] > 0 and eff["efficiency"] > 0
+    with pytest.raises(ValueError, match="world_size >= 2"):
+        measure_links(1)

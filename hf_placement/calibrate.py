@@ -1,0 +1,114 @@
+"""Micro-benchmarks that feed the planner's constants on this machine: links and parallel efficiency.
+
+- `measure_links`: latency and bandwidth of point-to-point sends, broadcasts and all-gathers between gloo ranks
+  (the ``α`` and ``β`` of the cost model). On loopback the three differ a lot (`rlhf_placement.md` §4.5 measured a
+  2 GB/s broadcast but 0.45 s for a 100 MB all-gather), so the planner's single ``β`` should come from the collective
+  that dominates the plan being priced.
+- `parallel_efficiency`: throughput of ``n`` concurrent single-thread matmul loops relative to ``n`` times one loop.
+  The benchmark protocol (§4.5) states it before any comparison: on a shared or oversubscribed machine two processes
+  do not get two cores, which biases wall-clock comparisons against schedules that keep every rank busy.
+
+Both are plain measurements: they print and return numbers, they assert nothing.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["measure_links", "parallel_efficiency"]
+
+
+def _link_rank(rank: int, world: int, sizes: Sequence[int], repeats: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single; older releases lack the latter.
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    out: dict[str, Any] = {}
+    for nbytes in sizes:
+        buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
+        times: dict[str, list[float]] = {"p2p": [], "broadcast": [], "all_gather": []}
+        gathered = torch.empty(buf.numel() * world)
+        for _ in range(repeats + 1):  # the first round warms up connections and allocations
+            dist.barrier()
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.isend(buf, dst=1, tag=11).wait(timeout=datetime.timedelta(seconds=120))
+                dist.irecv(buf, src=1, tag=12).wait(timeout=datetime.timedelta(seconds=120))
+            elif rank == 1:
+                dist.irecv(buf, src=0, tag=11).wait(timeout=datetime.timedelta(seconds=120))
+                dist.isend(buf, dst=0, tag=12).wait(timeout=datetime.timedelta(seconds=120))
+            times["p2p"].append((time.perf_counter() - t0) / 2)  # one way of a round trip
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.broadcast(buf, src=0)
+            times["broadcast"].append(time.perf_counter() - t0)
+            dist.barrier()
+            t0 = time.perf_counter()
+            all_gather(gathered, buf)
+            times["all_gather"].append(time.perf_counter() - t0)
+        out[str(nbytes)] = {k: statistics.median(v[1:]) for k, v in times.items()}
+    return out
+
+
+def measure_links(world_size: int = 2, sizes: Sequence[int] = (1 << 10, 1 << 20, 16 << 20), repeats: int = 5,
+                  timeout: float = 300.0) -> dict[str, Any]:
+    """Median seconds per transfer size for p2p (one way), broadcast and all-gather on ``world_size`` gloo ranks,
+    plus fitted ``latency_s`` (smallest size) and ``bandwidth`` (bytes/s at the largest size) per operation.
+
+    For the all-gather, bandwidth is ``(n-1)/n * total bytes / time``, the cost model's convention.
+    """
+    from .testing import run_distributed
+
+    if world_size < 2:
+        raise ValueError(f"measuring links needs world_size >= 2, got {world_size}.")
+    sizes = sorted(int(s) for s in sizes)
+    per_rank = run_distributed(_link_rank, world_size, sizes, repeats, timeout=timeout)
+    seconds = per_rank[0]
+    small, large = str(sizes[0]), str(sizes[-1])
+    fit = {}
+    for op in ("p2p", "broadcast", "all_gather"):
+        moved = sizes[-1] if op != "all_gather" else (world_size - 1) * sizes[-1]
+        fit[op] = {"latency_s": seconds[small][op], "bandwidth": moved / max(seconds[large][op], 1e-12)}
+    return {"world_size": world_size, "sizes": sizes, "seconds": seconds, "fit": fit}
+
+
+def _spin(seconds: float, queue: Any) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    a = torch.randn(256, 256)
+    n = 0
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a = torch.tanh(a @ a)
+        n += 1
+    queue.put(n)
+
+
+def parallel_efficiency(processes: int = 2, seconds: float = 2.0) -> dict[str, float]:
+    """Matmul iterations of ``processes`` concurrent single-thread loops / (``processes`` x one loop alone)."""
+    if processes < 1 or seconds <= 0:
+        raise ValueError(f"need processes >= 1 and seconds > 0, got {processes}, {seconds}.")
+    ctx = mp.get_context("spawn")
+
+    def run(n: int) -> list[int]:
+        q = ctx.Queue()
+        procs = [ctx.Process(target=_spin, args=(seconds, q), daemon=True) for _ in range(n)]
+        for p in procs:
+            p.start()
+        counts = [q.get(timeout=seconds * 10 + 60) for _ in procs]
+        for p in procs:
+            p.join(timeout=30)
+        return counts
+
+    alone = run(1)[0]
+    together = run(processes)
+    eff = sum(together) / (processes * alone) if alone else 0.0
+    return {"processes": processes, "single_iterations": alone, "concurrent_iterations": float(sum(together)),
+            "efficiency": eff, "speedup": eff * processes}
