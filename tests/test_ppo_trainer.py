@@ -218,3 +218,19 @@ def test_ref_model_copy_is_frozen_and_separate(tmp_path):
     trainer.train()
     assert all(torch.equal(before[k], v) for k, v in _params(trainer.ref_model).items())
     assert not all(torch.equal(before[k], v) for k, v in _params(trainer.model.policy).items())
+
+
+def test_rollout_is_independent_of_chunking_and_batch_neighbours(tmp_path):
+    """Per-sample sampling seeds: a prompt's response does not depend on chunk size or on the other prompts, which
+    is what lets any placement (or rank count) reproduce the same rollout."""
+    trainer = _trainer(tmp_path, local_rollout_forward_batch_size=8)
+    queries, seeds = trainer.local_batch(1)
+    whole = trainer.rollout(queries, seeds)
+    trainer.args.local_rollout_forward_batch_size = 3
+    chunked = trainer.rollout(queries, seeds)
+    torch.testing.assert_close(chunked.query_responses, whole.query_responses, rtol=0, atol=0)
+    torch.testing.assert_close(chunked.logits, whole.logits, rtol=1e-5, atol=1e-5)
+    alone = trainer.rollout(queries[5:6], seeds[5:6])
+    assert torch.equal(alone.responses, whole.responses[5:6])
+    other = trainer.rollout(queries, [s + 1 for s in seeds])
+    assert not torch.equal(other.responses, whole.responses)

@@ -30,8 +30,13 @@ import torch
 from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState
 from transformers.integrations import get_reporting_integration_callbacks
-from transformers.trainer import DEFAULT_CALLBACKS, DEFAULT_PROGRESS_CALLBACK
-from transformers.trainer_callback import CallbackHandler, ExportableState, PrinterCallback
+from transformers.trainer_callback import (
+    CallbackHandler,
+    DefaultFlowCallback,
+    ExportableState,
+    PrinterCallback,
+    ProgressCallback,
+)
 from transformers.utils import logging
 
 from . import ppo_math as pm
@@ -213,7 +218,7 @@ class PPOTrainer:
         self.value_model = value_model
 
         # Distributed set-up and batch arithmetic (TRL's names, filled into args).
-        init_distributed_from_env()
+        init_distributed_from_env(timeout_s=float(args.ddp_timeout))
         self.dist = DistContext(group)
         world = self.dist.world_size
         args.world_size = world
@@ -290,12 +295,12 @@ class PPOTrainer:
             )
 
         is_zero = self.dist.rank == 0
-        default_callbacks = DEFAULT_CALLBACKS + get_reporting_integration_callbacks(args.report_to)
+        default_callbacks = [DefaultFlowCallback, *get_reporting_integration_callbacks(args.report_to)]
         self.callback_handler = CallbackHandler(
             default_callbacks + list(callbacks or []), self.model, processing_class, self.optimizer,
             self.lr_scheduler,
         )
-        self.callback_handler.add_callback(PrinterCallback if args.disable_tqdm else DEFAULT_PROGRESS_CALLBACK)
+        self.callback_handler.add_callback(PrinterCallback if args.disable_tqdm else ProgressCallback)
         self.control = TrainerControl()
         self.state = OnlineTrainerState(
             is_local_process_zero=int(os.environ.get("LOCAL_RANK", "0")) == 0 if self.dist.enabled else True,
