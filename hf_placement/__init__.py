@@ -13,7 +13,16 @@
 """
 
 from .channels import Channel, ChannelError, ChannelTimeoutError
-from .cost_model import Calibration, Hardware, PlanEstimate, Workload, candidate_plans, estimate, rank_plans
+from .cost_model import (
+    Calibration,
+    Hardware,
+    PlanEstimate,
+    Workload,
+    candidate_plans,
+    compare_to_measured,
+    estimate,
+    rank_plans,
+)
 from .dispatch import RoleCall, RoleHandle, run_concurrently
 from .groups import RoleGroups, build_role_groups
 from .memory import BYTES_PER_PARAM, MemoryReport, MemoryVerdict, ModelSizes, model_state_bytes, shard_verdict
@@ -66,6 +75,7 @@ __all__ = [
     "build_role_groups",
     "build_topology",
     "candidate_plans",
+    "compare_to_measured",
     "estimate",
     "find_free_port",
     "gather_timelines",

@@ -43,7 +43,8 @@ from typing import Any
 from .memory import ModelSizes, model_state_bytes
 from .plan import PlacementPlan
 
-__all__ = ["Calibration", "Hardware", "PlanEstimate", "Workload", "candidate_plans", "estimate", "rank_plans"]
+__all__ = ["Calibration", "Hardware", "PlanEstimate", "Workload", "candidate_plans", "compare_to_measured", "estimate",
+           "rank_plans"]
 
 
 @dataclass(frozen=True)
@@ -380,3 +381,25 @@ def to_jsonable(workload: Workload, hardware: Hardware, calibration: Calibration
             "calibration": asdict(calibration) if calibration else None,
             "ranking": [e.to_dict() for e in ranking],
             "best": next((e.name for e in ranking if e.fits), None)}
+
+
+def compare_to_measured(predicted_s: dict[str, float], measured_s: dict[str, float]) -> dict[str, Any]:
+    """Score the planner against measured iteration times of the same plans (names as keys).
+
+    Returns the relative error ``|predicted - measured| / measured`` per plan and its maximum, the planner's pick
+    (argmin predicted) and the measured best, and the *pick regret*: how much slower the picked plan measured than
+    the measured best (0 when the pick is the best). The issue's acceptance asks for max error <= 25 % and regret
+    <= 10 %; this function only computes the numbers.
+    """
+    common = sorted(set(predicted_s) & set(measured_s))
+    if not common:
+        raise ValueError(f"no plan is both predicted {sorted(predicted_s)} and measured {sorted(measured_s)}; use the "
+                         "same plan names on both sides.")
+    bad = [n for n in common if not measured_s[n] > 0 or not predicted_s[n] > 0]
+    if bad:
+        raise ValueError(f"iteration times must be positive; check plans {bad}.")
+    rel = {n: abs(predicted_s[n] - measured_s[n]) / measured_s[n] for n in common}
+    pick = min(common, key=lambda n: predicted_s[n])
+    best = min(common, key=lambda n: measured_s[n])
+    return {"plans": common, "rel_error": rel, "max_rel_error": max(rel.values()), "pick": pick,
+            "measured_best": best, "pick_regret": measured_s[pick] / measured_s[best] - 1.0}

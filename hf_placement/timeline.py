@@ -175,8 +175,12 @@ def summarize_timelines(timelines: Sequence[Timeline]) -> dict[str, Any]:
 
 def plot_timeline(timelines: Sequence[Timeline], path: str | Path, title: str = "hf_placement timeline") -> Path:
     """Draw one row per rank, one colour per phase (matplotlib Agg, no display needed); writes a PNG."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise ImportError("plot_timeline needs matplotlib: `pip install matplotlib` (the Chrome trace and the summary "
+                          "work without it).") from exc
 
     events = _all_events(timelines)
     t0 = min((e.start for e in events), default=0.0)

@@ -245,6 +245,19 @@ def test_planner_responds_to_the_workload():
         Workload(actor_params=1e6, batch_size=0)
 
 
+def test_compare_to_measured():
+    from hf_placement import compare_to_measured
+
+    out = compare_to_measured({"colocated": 10.0, "interleaved": 9.0, "disaggregated": 12.0, "only-predicted": 1.0},
+                              {"colocated": 8.0, "interleaved": 10.0, "disaggregated": 12.0})
+    assert out["plans"] == ["colocated", "disaggregated", "interleaved"]
+    assert out["rel_error"]["colocated"] == pytest.approx(0.25) and out["max_rel_error"] == pytest.approx(0.25)
+    assert out["pick"] == "interleaved" and out["measured_best"] == "colocated"
+    assert out["pick_regret"] == pytest.approx(10.0 / 8.0 - 1)
+    with pytest.raises(ValueError, match="no plan is both predicted"):
+        compare_to_measured({"a": 1.0}, {"b": 1.0})
+
+
 def test_plan_cli(tmp_path, capsys):
     from hf_placement.__main__ import main
 
