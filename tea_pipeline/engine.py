@@ -23,7 +23,7 @@ import torch
 from .config import LightTEAConfig
 from .data import TKGPair
 from .graph import build_graph, time_counts
-from .propagation import aspect_features, l2n
+from .propagation import l2n, propagate, seed_labels, triple_view
 from .similarity import TemporalSimilarity, blocked_topk
 from .sinkhorn import sparse_sinkhorn
 
@@ -177,11 +177,15 @@ class LightTEA:
         for rnd in range(1, cfg.rounds + 1):
             t_round = time.perf_counter()
             self._round = rnd
-            with self._stage("label_propagation", device):
-                feats = []
-                for aspect in (graph.relation, graph.time):
-                    feats.append(aspect_features(graph, aspect, train, cfg.dim, cfg.lp_steps, aspect_dim,
-                                                 cfg.mini_dim, gen, rows))
+            feats = []
+            for aspect in (graph.relation, graph.time):
+                with self._stage("label_propagation", device):
+                    e0 = seed_labels(graph.num_entities, train.cpu(), cfg.dim, gen).to(device)
+                    e_bar, x_cat = propagate(graph.entity_entity, aspect, e0, cfg.lp_steps)
+                with self._stage("triple_view", device):
+                    feats.append(triple_view(graph, aspect, e_bar, x_cat, aspect_dim, cfg.mini_dim, gen, rows))
+                del e0, e_bar, x_cat
+            with self._stage("fusion", device):
                 if cfg.fusion == "sum":
                     fused = (1 - cfg.alpha) * feats[0] + cfg.alpha * feats[1]
                 else:

@@ -88,12 +88,23 @@ class TemporalSimilarity:
         offs = torch.arange(total, device=lens.device) - first[row] + starts[row]
         return row, self.col[offs], self.val[offs]
 
-    def __call__(self, left_entities: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-        """Dice of ``left_entities[i]`` (entity ids) against right positions ``candidates[i, :]``: rows x k."""
-        row, taus, cnts = self._entries(left_entities)
+    def __call__(self, left_entities: torch.Tensor, candidates: torch.Tensor,
+                 max_entries: int = 1 << 22) -> torch.Tensor:
+        """Dice of ``left_entities[i]`` (entity ids) against right positions ``candidates[i, :]``: rows x k.
+
+        Rows are processed in chunks of about ``max_entries`` (non-zero x candidate) look-ups to bound memory.
+        """
         out = torch.zeros(candidates.shape, device=candidates.device)
-        if len(row):
-            right_vals = self.right_dense[candidates[row], taus[:, None]]  # entries x k
-            out.index_add_(0, row, torch.minimum(right_vals, cnts[:, None]))
+        lens = self.crow[left_entities + 1] - self.crow[left_entities]
+        per_row = (lens * candidates.shape[1]).cumsum(0)
+        r0 = 0
+        while r0 < len(left_entities):
+            done = per_row[r0 - 1] if r0 else 0
+            r1 = max(r0 + 1, int(torch.searchsorted(per_row, done + max_entries, right=True)))
+            row, taus, cnts = self._entries(left_entities[r0:r1])
+            if len(row):
+                right_vals = self.right_dense[candidates[r0:r1][row], taus[:, None]]  # entries x k
+                out[r0:r1].index_add_(0, row, torch.minimum(right_vals, cnts[:, None]))
+            r0 = r1
         den = self.totals[left_entities][:, None] + self.right_totals[candidates]
         return torch.where(den > 0, 2.0 * out / den.clamp(min=1e-12), torch.zeros_like(out))

@@ -99,6 +99,7 @@ def test_sparse_temporal_similarity_equals_multiset_dice_on_every_candidate(smal
     gen = torch.Generator().manual_seed(0)
     cand = torch.stack([torch.randperm(len(right), generator=gen)[:30] for _ in range(len(left))])
     got = TemporalSimilarity(counts, right)(left, cand)
+    assert torch.equal(got, TemporalSimilarity(counts, right)(left, cand, max_entries=100))  # chunked rows
     for i in range(len(left)):
         want = [_dice(times.get(int(left[i]), []), times.get(int(right[j]), [])) for j in cand[i].tolist()]
         np.testing.assert_allclose(got[i].numpy(), want, rtol=1e-6, atol=1e-7)
