@@ -229,7 +229,14 @@ def test_rollout_is_independent_of_chunking_and_batch_neighbours(tmp_path):
     trainer.args.local_rollout_forward_batch_size = 3
     chunked = trainer.rollout(queries, seeds)
     torch.testing.assert_close(chunked.query_responses, whole.query_responses, rtol=0, atol=0)
-    torch.testing.assert_close(chunked.logits, whole.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(chunked.logprobs, whole.logprobs, rtol=1e-5, atol=1e-5)
+    # the sampler's log-probs equal a fresh forward over the sampled sequence (same distribution, temperature 1)
+    from trl_trainers._generation import policy_response_logits
+    from trl_trainers.ppo_math import logprobs_from_logits
+
+    with torch.no_grad():
+        logits = policy_response_logits(trainer.model.policy, whole.query_responses, 0, whole.context_length, 1.0)
+    torch.testing.assert_close(whole.logprobs, logprobs_from_logits(logits, whole.responses), rtol=1e-4, atol=1e-4)
     alone = trainer.rollout(queries[5:6], seeds[5:6])
     assert torch.equal(alone.responses, whole.responses[5:6])
     other = trainer.rollout(queries, [s + 1 for s in seeds])

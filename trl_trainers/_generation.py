@@ -35,9 +35,11 @@ def sample_responses(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample up to ``response_length`` tokens for left-padded ``queries`` with a KV cache.
 
-    Returns ``(query_responses, logits)``: ``(B, P + R')`` token ids and ``(B, R', V)`` temperature-scaled logits of
-    each sampled step, ``R' <= response_length`` (the loop stops early once every sequence has emitted its stop token,
-    like ``generate``; finished sequences are padded with ``pad_token_id``).
+    Returns ``(query_responses, logprobs)``: ``(B, P + R')`` token ids and ``(B, R')`` log-probabilities of the emitted
+    tokens under the temperature-scaled distribution, ``R' <= response_length`` (the loop stops early once every
+    sequence has emitted its stop token, like ``generate``; finished sequences are padded with ``pad_token_id``).
+    Only the chosen tokens' log-probs are kept, not the ``(B, R, V)`` logits TRL keeps: with a 50k vocabulary that
+    tensor is the largest object of the rollout.
     """
     if len(sample_seeds) != queries.size(0):
         raise ValueError(f"sample_seeds has {len(sample_seeds)} entries for {queries.size(0)} queries.")
@@ -52,7 +54,7 @@ def sample_responses(
     past = out[cache_key]
     step_logits = out.logits[:, -1, :].float() / (temperature + 1e-7)
     finished = torch.zeros(queries.size(0), dtype=torch.bool, device=device)
-    tokens, logits = [], []
+    tokens, logprobs = [], []
     for step in range(response_length):
         vocab = step_logits.size(-1)
         uniform = torch.stack([torch.rand(vocab, generator=g) for g in generators]).to(device)
@@ -60,7 +62,8 @@ def sample_responses(
         token = torch.argmax(step_logits - torch.log(exponential), dim=-1)
         token = torch.where(finished, torch.full_like(token, pad_token_id), token)
         tokens.append(token)
-        logits.append(step_logits)
+        logprobs.append(
+            step_logits.gather(-1, token.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(step_logits, dim=-1))
         if stop_token_id is not None:
             finished = finished | (token == stop_token_id)
             if bool(finished.all()):
@@ -80,7 +83,7 @@ def sample_responses(
         next_position = next_position + 1
         step_logits = out.logits[:, -1, :].float() / (temperature + 1e-7)
     responses = torch.stack(tokens, dim=1)
-    return torch.cat([queries, responses], dim=1), torch.stack(logits, dim=1)
+    return torch.cat([queries, responses], dim=1), torch.stack(logprobs, dim=1)
 
 
 def policy_response_logits(

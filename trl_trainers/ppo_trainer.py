@@ -74,7 +74,7 @@ class Rollout:
 
     queries: torch.Tensor  # (B, P) left-padded prompt ids
     query_responses: torch.Tensor  # (B, P + R)
-    logits: torch.Tensor  # (B, R, V) temperature-scaled sampler logits
+    logprobs: torch.Tensor  # (B, R) sampler log-probs of the emitted tokens (temperature-scaled distribution)
 
     @property
     def context_length(self) -> int:
@@ -391,22 +391,22 @@ class PPOTrainer:
         was_training = policy.training
         policy.eval()
         chunk = args.local_rollout_forward_batch_size
-        outs, logits = [], []
+        outs, logprobs = [], []
         with self._autocast():
             for i in range(0, queries.size(0), chunk):
-                qr, lg = sample_responses(
+                qr, lp = sample_responses(
                     policy, queries[i : i + chunk], pad_token_id=self.pad_token_id,
                     response_length=args.response_length, temperature=temperature,
                     sample_seeds=sample_seeds[i : i + chunk], stop_token_id=self.stop_token_id,
                 )
                 outs.append(qr)
-                logits.append(lg)
+                logprobs.append(lp)
         policy.train(was_training)
         width = max(o.size(1) for o in outs)  # chunks may stop early at different lengths
         outs = [torch.nn.functional.pad(o, (0, width - o.size(1)), value=self.pad_token_id) for o in outs]
         steps = width - queries.size(1)
-        logits = [torch.nn.functional.pad(lg, (0, 0, 0, steps - lg.size(1))) for lg in logits]
-        return Rollout(queries=queries, query_responses=torch.cat(outs), logits=torch.cat(logits))
+        logprobs = [torch.nn.functional.pad(lp, (0, steps - lp.size(1)), value=pm.INVALID_LOGPROB) for lp in logprobs]
+        return Rollout(queries=queries, query_responses=torch.cat(outs), logprobs=torch.cat(logprobs))
 
     # ------------------------------------------------------------------ phase 2: experience
     @torch.no_grad()
@@ -421,7 +421,7 @@ class PPOTrainer:
             query = rollout.queries[i : i + chunk]
             query_response = rollout.query_responses[i : i + chunk]
             response = query_response[:, ctx:]
-            out["logprobs"].append(pm.logprobs_from_logits(rollout.logits[i : i + chunk], response))
+            out["logprobs"].append(rollout.logprobs[i : i + chunk])
             with self._autocast():
                 if self.ref_model is None:
                     with self.null_ref_context():

@@ -38,6 +38,7 @@ def main() -> None:
     p.add_argument("--response-length", type=int, default=24)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=32000, help="model vocabulary (>= the 44 tokenizer tokens)")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--mini-batches", type=int, default=2)
     p.add_argument("--out", default="/tmp/bench_ppo_out")
@@ -59,10 +60,11 @@ def main() -> None:
 
     tok = char_tokenizer()
     size = dict(n_layer=a.layers, n_embd=a.hidden, n_positions=128)
-    policy = tiny_causal_lm(len(tok), 0, **size)
-    ref = tiny_causal_lm(len(tok), 0, **size)
-    value = tiny_value_model(len(tok), 1, **size)
-    reward = tiny_value_model(len(tok), 2, **size)
+    vocab = max(a.vocab, len(tok))  # an LM-sized vocabulary: the sampler's logits scale with it
+    policy = tiny_causal_lm(vocab, 0, **size)
+    ref = tiny_causal_lm(vocab, 0, **size)
+    value = tiny_value_model(vocab, 1, **size)
+    reward = tiny_value_model(vocab, 2, **size)
     dataset = prompt_dataset(tok, a.batch * (a.iters + 1), seed=0)
     args = PPOConfig(
         output_dir=os.path.join(a.out, a.impl), per_device_train_batch_size=a.batch // a.mini_batches,

@@ -56,6 +56,7 @@ def main() -> int:
     p.add_argument("--response-length", type=int, default=24)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=32000, help="model vocabulary size (LM-like)")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--mini-batches", type=int, default=2)
     p.add_argument("--output", default=str(ROOT / "bench" / "results" / "ppo.json"))
@@ -64,7 +65,7 @@ def main() -> int:
         print(f"TRL 1.12.0 side environment missing: create it with\n  {SIDE_SETUP}", file=sys.stderr)
         return 2
     opts = ["--iters", str(a.iters), "--batch", str(a.batch), "--response-length", str(a.response_length),
-            "--layers", str(a.layers), "--hidden", str(a.hidden), "--epochs", str(a.epochs),
+            "--layers", str(a.layers), "--hidden", str(a.hidden), "--epochs", str(a.epochs), "--vocab", str(a.vocab),
             "--mini-batches", str(a.mini_batches)]
     order = []
     for r in range(a.repeats):
@@ -108,9 +109,11 @@ def main() -> int:
         "ours": ours,
         "trl": trl,
         "config": {"batch": a.batch, "response_length": a.response_length, "layers": a.layers, "hidden": a.hidden,
+                   "vocab": a.vocab,
                    "ppo_epochs": a.epochs, "mini_batches": a.mini_batches, "iters_timed_per_run": a.iters,
                    "repeats": a.repeats, "order": order, "threads_per_process": 1, "precision": "fp32",
-                   "models": "GPT-2 policy/ref + GPT-2 seq-cls value/reward from config, char tokenizer (44 tokens)"},
+                   "models": "GPT-2 policy/ref + GPT-2 seq-cls value/reward from config (random init), char tokenizer "
+                             "(44 tokens) for the prompts, model vocabulary `vocab`"},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                     "loadavg_before": load_before, "loadavg_after": load_after,
                     "note": "shared 2-core CPU machine; other engineers ran tests concurrently"},
