@@ -163,30 +163,36 @@ def movielens_cold_start(path: str | Path, new_user_fraction: float = 0.2, valid
 
 def make_synthetic_interactions(num_users: int = 200, num_items: int = 100, min_interactions: int = 20,
                                 max_interactions: int = 40, num_categories: int = 8, num_dense: int = 4,
-                                latent_dim: int = 4, user_signal: float = 2.5, seed: int = 0):
+                                latent_dim: int = 4, user_signal: float = 2.5, user_bias: float = 1.5, seed: int = 0,
+                                item_seed: int = 0, first_user_id: int = 0):
     """Synthetic click data where each user (task) has its own taste vector.
 
-    ``p(click) = sigmoid(user_signal * <u, v_item> + b_item + <c, dense>)``: the item part is learnable globally,
-    the user part only from the user's own interactions, so per-task adaptation helps by construction. Returns a
+    ``p(click) = sigmoid(user_signal * <u, v_item> + b_user + b_item + <c, dense>)`` with ``b_user ~ N(0,
+    user_bias²)``: the item part is learnable globally, the user part (taste and base rate) only from the user's own
+    interactions, so per-task adaptation helps by construction. Returns a
     `datasets.Dataset` with ``user_id``, ``item_id``, ``category`` (sparse), ``dense`` (list), ``label``,
-    ``timestamp``; vocab sizes are ``num_items`` and ``num_categories``.
+    ``timestamp``; vocab sizes are ``num_items`` and ``num_categories``. Items (the shared "world") come from
+    ``item_seed``, users from ``seed``: draw train and new users with the same ``item_seed`` and different ``seed``
+    (and ``first_user_id``) to get disjoint users of one world.
     """
     import datasets
 
-    rng = np.random.default_rng(seed)
-    v = rng.normal(size=(num_items, latent_dim)) / np.sqrt(latent_dim)
-    b = rng.normal(scale=0.5, size=num_items)
-    cat = rng.integers(0, num_categories, size=num_items)
-    c = rng.normal(scale=0.5, size=num_dense)
+    irng = np.random.default_rng(item_seed)
+    rng = np.random.default_rng(seed + 1_000_003)
+    v = irng.normal(size=(num_items, latent_dim)) / np.sqrt(latent_dim)
+    b = irng.normal(scale=0.5, size=num_items)
+    cat = irng.integers(0, num_categories, size=num_items)
+    c = irng.normal(scale=0.5, size=num_dense)
     rows = {"user_id": [], "item_id": [], "category": [], "dense": [], "label": [], "timestamp": []}
     for user in range(num_users):
         u = rng.normal(size=latent_dim)
+        bu = rng.normal(scale=user_bias)
         n = int(rng.integers(min_interactions, max_interactions + 1))
         items = rng.choice(num_items, size=n, replace=n > num_items)
         dense = rng.normal(size=(n, num_dense)).astype(np.float32)
-        logit = user_signal * (v[items] @ u) + b[items] + dense @ c
+        logit = user_signal * (v[items] @ u) + bu + b[items] + dense @ c
         label = (rng.random(n) < 1 / (1 + np.exp(-logit))).astype(np.float32)
-        rows["user_id"].extend([user] * n)
+        rows["user_id"].extend([first_user_id + user] * n)
         rows["item_id"].extend(items.tolist())
         rows["category"].extend(cat[items].tolist())
         rows["dense"].extend(dense.tolist())

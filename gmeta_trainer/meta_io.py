@@ -207,6 +207,18 @@ def collate_tasks(records: Sequence[dict]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _flatten_arrow(col) -> np.ndarray:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if isinstance(col.type, pa.ExtensionType):  # datasets' Array2D stores nested lists
+        col = col.storage
+    while pa.types.is_list(col.type) or pa.types.is_fixed_size_list(col.type) or pa.types.is_large_list(col.type):
+        col = pc.list_flatten(col)
+    return col.to_numpy(zero_copy_only=False)
+
+
 class TaskPrefetcher:
     """Iterate meta-batches of whole tasks from task records, read by a background thread ``prefetch`` batches
     ahead (Arrow slices -> tensors), so the training step does not wait on I/O.
@@ -229,7 +241,11 @@ class TaskPrefetcher:
             raise ValueError(f"tasks_per_batch={tasks_per_batch} must be >= 1.")
         if prefetch < 1:
             raise ValueError(f"prefetch={prefetch} must be >= 1.")
-        self.records = records.with_format("numpy")
+        self.records = records.with_format("arrow")
+        first = records.with_format("numpy")[0]
+        # per-record shapes and dtypes: Arrow columns are flattened and reshaped, skipping per-row Python decoding
+        self._shapes = {k: (np.asarray(first[k]).shape, np.asarray(first[k]).dtype) for k in (*MODEL_KEYS, "task_id")
+                        if k in first and np.asarray(first[k]).dtype.kind in "iuf"}
         self.tasks_per_batch, self.shuffle, self.seed = tasks_per_batch, shuffle, seed
         self.prefetch, self.drop_last, self.rank, self.world_size = prefetch, drop_last, rank, world_size
         self.epochs, self.timeout = epochs, timeout
@@ -251,9 +267,12 @@ class TaskPrefetcher:
         return len(self._batches())
 
     def _read(self, idx: np.ndarray) -> dict[str, torch.Tensor]:
-        cols = self.records[np.sort(idx).tolist()]
-        keys = [k for k in (*MODEL_KEYS, "task_id") if k in cols and np.asarray(cols[k]).dtype.kind in "iuf"]
-        return {k: torch.from_numpy(np.ascontiguousarray(cols[k])) for k in keys}
+        table = self.records[np.sort(idx).tolist()]
+        out = {}
+        for k, (shape, dtype) in self._shapes.items():
+            flat = _flatten_arrow(table.column(k))
+            out[k] = torch.from_numpy(flat.reshape(len(idx), *shape).astype(dtype, copy=True))  # writable copy
+        return out
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         q: queue.Queue = queue.Queue(maxsize=self.prefetch)
