@@ -12,6 +12,7 @@ arXiv 2401.04338). Pieces:
 
 from .baselines import evaluate_on_tasks, train_global_model
 from .data import (
+    GENRES,
     ColdStartData,
     encode_categorical,
     load_movielens_100k,
@@ -41,6 +42,8 @@ def __getattr__(name: str):
 
 __all__ = [
     "ColdStartData",
+    "GENRES",
+    "GENRES",
     "DLRMConfig",
     "DLRMModel",
     "EmbeddingCollection",

@@ -41,10 +41,13 @@ class MetaLearner(nn.Module):
     Example:
 
     ```python
-    >>> from gmeta_trainer import DLRMConfig, DLRMModel, InnerLoopConfig, MetaLearner, make_synthetic_tasks
-    >>> tasks = make_synthetic_tasks(num_tasks=8, support_size=5, query_size=5)
-    >>> learner = MetaLearner(DLRMModel(DLRMConfig(**tasks.model_kwargs)), InnerLoopConfig(inner_lr=0.5))
-    >>> out = learner(**tasks.batch(range(4)))
+    >>> from gmeta_trainer import (DLRMConfig, DLRMModel, InnerLoopConfig, MetaIOConfig, MetaLearner,
+    ...                            TaskPrefetcher, build_task_records, make_synthetic_interactions)
+    >>> io = MetaIOConfig(sparse_columns=["item_id", "category"], dense_columns=["dense"])
+    >>> tasks = build_task_records(make_synthetic_interactions(num_users=8), io)
+    >>> model = DLRMModel(DLRMConfig(vocab_sizes=[100, 8], num_dense=4))
+    >>> learner = MetaLearner(model, InnerLoopConfig(inner_lr=0.5))
+    >>> out = learner(**next(iter(TaskPrefetcher(tasks, tasks_per_batch=4))))
     >>> out["loss"].backward()
     ```
     """
