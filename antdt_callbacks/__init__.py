@@ -10,6 +10,7 @@ from .client import ShardingClient
 from .config import AgentConfig, ControllerConfig, JobConfig, MonitorConfig, ServeConfig
 from .controller import Plan, controller_step, equal_split, proportional_split, restart_saving_s
 from .dataset import BatchMeta, ServiceIterableDataset
+from .elastic import init_distributed
 from .errors import (
     AntDTError,
     BadRequestError,
@@ -55,6 +56,7 @@ __all__ = [
     "WeightedHookState",
     "controller_step",
     "equal_split",
+    "init_distributed",
     "launch_service",
     "proportional_split",
     "restart_saving_s",

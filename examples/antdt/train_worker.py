@@ -13,6 +13,7 @@ check ``seen == num_epochs`` everywhere. Faults and slowdowns are injected from 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import signal
@@ -26,7 +27,7 @@ from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
-from antdt_callbacks import AgentConfig, AntDTAgent, AntDTTrainerMixin
+from antdt_callbacks import AgentConfig, AntDTAgent, AntDTTrainerMixin, init_distributed
 
 STATE = {"step": 0}
 
@@ -141,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=8, help="plain mode: per-device batch")
     ap.add_argument("--max-micro-batch", type=int, default=None)
     a = ap.parse_args(argv)
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
     torch.set_num_threads(1)
+    init_distributed("gloo", timeout_s=300)
     torch.manual_seed(0)
     out = Path(a.out)
     data = ToyData(a.dataset_size, a.dim)
