@@ -53,11 +53,12 @@ def main(argv: list[str] | None = None) -> int:
         client = ShardingClient(args.url, config=AgentConfig(url=args.url, token=args.token, retry_timeout_s=5))
         print(json.dumps(client.status(), indent=2))
         return 0
-    from transformers.utils import logging
+    import logging
 
     from .server import ShardingService
 
-    logging.set_verbosity(logging.get_log_levels_dict()[args.log_level.lower()])
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         svc = ShardingService(ServeConfig(**_pick(args, ServeConfig)), JobConfig(**_pick(args, JobConfig)),
                               MonitorConfig(**_pick(args, MonitorConfig)),

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import threading
 import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-
-from transformers.utils import logging
 
 from ._state import JobState, apply, decide
 from .config import ControllerConfig, JobConfig, MonitorConfig, ServeConfig
@@ -25,7 +24,8 @@ from .store import SQLiteStore
 
 __all__ = ["ShardingService"]
 
-logger = logging.get_logger(__name__)
+# The stdlib logger (not transformers'): the service process must start without importing transformers/torch.
+logger = logging.getLogger(__name__)
 
 
 class ShardingService:
