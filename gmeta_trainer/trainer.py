@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from transformers import Trainer
 from transformers.utils import logging
 
@@ -87,6 +88,35 @@ class MetaTrainer(Trainer):
             return loss, None, None
         labels = torch.stack([inputs["qry_y"], inputs["qry_w"]], dim=-1)
         return loss, out["logits"].detach(), labels
+
+    def _sharded_tables(self) -> dict[str, nn.Module]:
+        learner = self.accelerator.unwrap_model(self.model)
+        return {name: m for name, m in learner.named_modules() if getattr(m, "is_sharded", False)}
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Save the *unsharded* model: row-sharded tables are gathered (a collective, so every rank runs this; the
+        Trainer calls ``_save`` on all ranks) and stored under the unsharded names (``...embeddings.weight``), so the
+        checkpoint loads into the plain model for inference or export."""
+        tables = self._sharded_tables()
+        if tables and state_dict is None and dist.is_initialized():
+            full = {name: m.gather_full_weight() for name, m in tables.items()}
+            state_dict = {}
+            for key, value in self.accelerator.unwrap_model(self.model).state_dict().items():
+                owner = key.rsplit(".", 1)[0]
+                if owner in full and key.endswith(".local_weight"):
+                    state_dict[f"{owner}.weight"] = full[owner].contiguous()
+                else:
+                    state_dict[key] = value
+        super()._save(output_dir, state_dict=state_dict)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if self._sharded_tables():
+            raise NotImplementedError(
+                "resuming a run with row-sharded embedding tables from a Trainer checkpoint is not supported: the "
+                "checkpoint holds the gathered (unsharded) weights, and the optimizer state of the shards is not "
+                "saved per rank. Load the saved weights into the unsharded model and shard it again with "
+                "gmeta_trainer.shard_embeddings (optimizer state restarts), or train without sharding to resume.")
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _clip_grad_norm(self, model):
         learner = self.accelerator.unwrap_model(model)

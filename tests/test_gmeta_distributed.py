@@ -78,6 +78,15 @@ def _train(world: int, shard: bool, out_dir: str) -> dict[str, np.ndarray]:
     out = {n: p.detach().numpy().copy() for n, p in model.named_parameters() if "embeddings" not in n}
     emb = model.embeddings
     out["table"] = (emb.gather_full_weight() if shard else emb.weight.detach()).numpy().copy()
+    if shard:
+        # the checkpoint holds the unsharded model (gathered tables under the unsharded key)
+        trainer.save_model(f"{out_dir}/saved")
+        torch.distributed.barrier()
+        from safetensors.torch import load_file
+
+        saved = load_file(f"{out_dir}/saved/model.safetensors")
+        assert "model.embeddings.local_weight" not in saved
+        np.testing.assert_array_equal(saved["model.embeddings.weight"].numpy(), out["table"])
     return out
 
 
