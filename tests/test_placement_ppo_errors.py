@@ -1,0 +1,130 @@
+"""Placed PPO fails loudly: bad plans get clear errors, a dead or stalled peer becomes an error naming it in time."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from hf_placement import PlacementPlan
+from hf_placement.testing import run_distributed
+
+
+def _args(tmp_path, **overrides):
+    from trl_trainers import PPOConfig
+
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_mini_batches=1, bf16=False,
+                report_to="none", disable_tqdm=True, save_strategy="no", gradient_checkpointing=False,
+                stop_token="eos", loss_normalization="mini_batch")
+    base.update(overrides)
+    return PPOConfig(**base)
+
+
+def test_resolve_plan_accepts_names_plans_and_files(tmp_path):
+    from trl_trainers.placement import resolve_plan
+
+    assert resolve_plan("colocated", 2).strategy == "colocated"
+    assert resolve_plan(None, 1).strategy == "colocated"
+    assert resolve_plan("interleaved", 4).roles["reward"] == [2, 3]
+    path = PlacementPlan.disaggregated(4, train_ranks=[0, 1]).save(tmp_path / "plan.yaml")
+    plan = resolve_plan(str(path), 4)
+    assert plan.is_disaggregated and plan.roles["actor"] == [0, 1]
+
+
+def test_resolve_plan_rejects_plans_ppo_cannot_run():
+    from trl_trainers.placement import resolve_plan
+
+    with pytest.raises(ValueError, match="world_size"):
+        resolve_plan(PlacementPlan.colocated(2), 4)
+    half_actor = PlacementPlan.custom(2, {"actor": [0], "critic": [0, 1], "ref": [0, 1], "reward": [1]})
+    with pytest.raises(ValueError, match="role 'actor' is on ranks \\[0\\]"):
+        resolve_plan(half_actor, 2)
+    split_infer = PlacementPlan.custom(3, {"actor": [0], "critic": [0], "rollout": [1, 2], "value": [1, 2],
+                                           "ref": [1], "reward": [2]})
+    with pytest.raises(ValueError, match="same inference ranks"):
+        resolve_plan(split_infer, 3)
+    with pytest.raises(ValueError, match="do not divide world_size=3"):
+        resolve_plan(PlacementPlan.disaggregated(3, train_ranks=[0, 1]), 3)
+    with pytest.raises(ValueError, match="not a strategy"):
+        resolve_plan("sideways", 2)
+
+
+def test_equivalence_issues_name_the_fix(tmp_path):
+    from trl_trainers.placement import equivalence_issues
+
+    dis = PlacementPlan.disaggregated(2)
+    assert equivalence_issues(_args(tmp_path), dis) == []
+    assert equivalence_issues(_args(tmp_path, num_mini_batches=2), PlacementPlan.interleaved(2)) == []
+    issues = equivalence_issues(_args(tmp_path, num_mini_batches=2, loss_normalization="micro_batch"), dis)
+    assert len(issues) == 2
+    assert "num_mini_batches=1" in issues[0] and "loss_normalization='mini_batch'" in issues[1]
+
+
+def test_single_process_placed_trainer_is_colocated(tmp_path):
+    """Without a process group the placed trainer is PPOTrainer: same parameters, bit for bit."""
+    from test_placement_ppo_equivalence import _build, _params
+
+    from trl_trainers import PPOTrainer
+
+    torch.set_num_threads(1)
+    placed = _build(str(tmp_path / "placed"), "colocated", iterations=2)
+    with pytest.raises(ValueError, match="ratio 0.5 for role .ref. gives 0.5 of 1 ranks"):
+        _build(str(tmp_path / "x"), "interleaved")  # one rank cannot be split into owner halves
+    placed.train()
+    plain_src = _build(str(tmp_path / "plain"), "colocated", iterations=2)
+    plain = PPOTrainer(plain_src.args, plain_src.processing_class, plain_src.model.policy, plain_src.ref_model,
+                       plain_src.reward_model, plain_src.train_dataset, plain_src.model.value_model)
+    plain.callback_handler.callbacks = [c for c in plain.callback_handler.callbacks
+                                        if type(c).__name__ != "PrinterCallback"]
+    plain.train()
+    a, b = _params(placed), {k: v.detach().numpy() for k, v in plain.model.state_dict().items()}
+    for key in a:
+        assert (a[key] == b[key]).all(), key
+    phases = {e.phase for e in placed.timeline.events}
+    assert phases == {"generation", "experience", "training"}
+    assert placed.phase_history[0].keys() == phases
+
+
+def _fail_inference_rank(rank: int, world_size: int, output_dir: str, mode: str, timeout_s: float):
+    """Disaggregated run whose inference rank 1 stalls (sleeps) or dies (leaves) in iteration 2."""
+    from test_placement_ppo_equivalence import _build
+
+    torch.set_num_threads(1)
+    trainer = _build(output_dir, "disaggregated", iterations=3, timeout_s=timeout_s)
+    executor = trainer.executor
+    original = executor._produce
+
+    class _Died(Exception):
+        pass
+
+    def produce(update: int) -> None:
+        if update == 2:
+            if mode == "stall":
+                time.sleep(timeout_s + 3)
+            raise _Died
+        original(update)
+
+    executor._produce = produce
+    start = time.monotonic()
+    try:
+        trainer.train()
+    except _Died:
+        return "left"
+    except Exception as exc:  # noqa: BLE001 - the message is what the test checks
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return "finished"
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["stall", "die"])
+def test_dead_or_stalled_inference_rank_fails_the_trainer_in_time(tmp_path, mode):
+    timeout_s = 8.0
+    survivor, other = run_distributed(_fail_inference_rank, 2, str(tmp_path), mode, timeout_s, timeout=200)
+    assert other in ("left", "finished") or other[0] == "PlacementError"
+    kind, message, elapsed = survivor
+    assert kind == "PlacementError", message
+    assert "training rank 0" in message and "inference rank 1" in message and "iteration 2" in message
+    # it returned an error (the harness would raise RankTimeoutError after 200 s otherwise)
+    assert elapsed > 0
