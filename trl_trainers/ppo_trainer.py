@@ -688,6 +688,20 @@ class PPOTrainer:
             self.processing_class.save_pretrained(output_dir)
         torch.save(self.args.to_dict(), os.path.join(output_dir, "training_args.bin"))
 
+    def push_to_hub(self, commit_message: str = "End of training", **kwargs) -> str | None:
+        """Save the policy to ``output_dir`` and upload that folder to ``hub_model_id`` (default: the folder name).
+        Extra keyword arguments (e.g. ``dataset_name`` from TRL scripts) are accepted and ignored."""
+        self.save_model(self.args.output_dir)
+        if self.dist.rank != 0:
+            return None
+        from huggingface_hub import HfApi
+
+        repo_id = self.args.hub_model_id or os.path.basename(os.path.abspath(self.args.output_dir))
+        api = HfApi(token=self.args.hub_token)
+        repo_id = api.create_repo(repo_id, private=self.args.hub_private_repo, exist_ok=True).repo_id
+        api.upload_folder(repo_id=repo_id, folder_path=self.args.output_dir, commit_message=commit_message)
+        return repo_id
+
     def _save_checkpoint(self) -> str:
         """``checkpoint-<step>/``: policy (loadable with from_pretrained), value model, the joint training state
         (safetensors), optimizer, scheduler and trainer state. Trainer randomness is keyed by the iteration, so no RNG
