@@ -102,3 +102,21 @@ def test_prefetcher_yields_whole_tasks_and_matches_collate():
         for b in TaskPrefetcher(recs, 3, shuffle=True, seed=5, rank=rank, world_size=2):
             seen[rank].update(b["task_id"].tolist())
     assert not seen[0] & seen[1] and len(seen[0]) == len(seen[1]) == 9
+
+
+def test_cli_builds_task_records_from_an_interaction_file(tmp_path, capsys):
+    from gmeta_trainer.__main__ import main
+
+    inter = make_synthetic_interactions(num_users=6, num_items=20, seed=0)
+    inter.to_parquet(str(tmp_path / "clicks.parquet"))
+    assert main(["build-tasks", "--interactions", str(tmp_path / "clicks.parquet"), "--sparse-columns",
+                 "item_id,category", "--dense-columns", "dense", "--support-size", "8", "--query-size", "5",
+                 "--out", str(tmp_path / "tasks")]) == 0
+    assert "6 tasks" in capsys.readouterr().out
+    from gmeta_trainer import load_task_records
+
+    recs = load_task_records(str(tmp_path / "tasks")).with_format("numpy")
+    assert recs[0]["sup_sparse"].shape == (8, 2) and recs[0]["qry_dense"].shape == (5, 4)
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
