@@ -130,6 +130,7 @@ def test_cli_advise(capsys):
         main(["advise", "--num-params", "7e9", "-n", "32", "-m", "3", "--intra-gbps", "1", "--inter-gbps", "1"])
 
 
+@pytest.mark.slow  # importing the transformers auto classes takes tens of seconds on a loaded machine
 def test_cli_hf_config(tmp_path, capsys):
     from transformers import GPT2Config
 
