@@ -279,6 +279,10 @@ def bench_cold_start(data_path: Path, seeds: int, protocol: ColdStartProtocol) -
             vals = [r[f"{metric}_{arm}"] for r in runs]
             stats[f"{metric}_{arm}"] = {"mean": float(np.mean(vals)), "std": float(np.std(vals, ddof=1))
                                         if len(vals) > 1 else 0.0, "values": vals}
+    for other in ("global", "finetune"):
+        diffs = [r["auc_meta"] - r[f"auc_{other}"] for r in runs]
+        stats[f"paired_auc_meta_minus_{other}"] = {"mean": float(np.mean(diffs)), "std": float(np.std(diffs, ddof=1))
+                                                   if len(diffs) > 1 else 0.0, "values": diffs}
     wins = sum(r["auc_meta"] > max(r["auc_global"], r["auc_finetune"]) for r in runs)
     return {"users": {"train": len(train), "valid": len(valid), "test": len(test)},
             "split": "newest 20% of users (13-100 ratings) held out, newest 10% of the rest = validation; time split "
@@ -335,6 +339,10 @@ def main(argv=None) -> dict:
         s = result["cold_start"]["stats"]
         summary.update({f"auc_{a}": s[f"auc_{a}"]["mean"] for a in ("meta", "global", "finetune")})
         summary.update({f"auc_{a}_std": s[f"auc_{a}"]["std"] for a in ("meta", "global", "finetune")})
+        summary["auc_meta_minus_finetune_paired"] = s["paired_auc_meta_minus_finetune"]["mean"]
+        summary["user_auc_meta"] = s["user_auc_meta"]["mean"]
+        summary["user_auc_finetune"] = s["user_auc_finetune"]["mean"]
+        summary["user_auc_global"] = s["user_auc_global"]["mean"]
         summary["meta_wins"] = result["cold_start"]["meta_wins"]
     else:
         result["cold_start"] = {"skipped": f"MovieLens-100K not found at {args.data}" if not have_ml else "flag"}
