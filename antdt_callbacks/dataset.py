@@ -337,6 +337,12 @@ class ServiceIterableDataset(IterableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         self._start()
+        if not self.sync and self.world_size > 1:
+            # Independent consumers: no lookahead. A batch cut ahead would hold leases that only its ack releases,
+            # and peers waiting on those leases would wait on each other at the end of the data.
+            while (batch := self._next_batch()) is not None:
+                yield batch[0]
+            return
         cur = self._next_batch()
         while cur is not None:
             nxt = self._next_batch()

@@ -102,6 +102,16 @@ class PlainTrainer(Trainer):
         return out
 
 
+class StepClock(TrainerCallback):
+    """Wall-clock time at the end of every optimizer step (for throughput over steady-state steps)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.times.append(time.perf_counter())
+
+
 class FaultInjector(TrainerCallback):
     """``kill`` (SIGKILL itself) or ``stop`` (SIGSTOP itself; a helper sends SIGCONT after ``seconds``) at a step."""
 
@@ -140,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fault", default=None, help="kill|stop:rank=R:step=S[:incarnation=I:seconds=T]")
     ap.add_argument("--mode", choices=["antdt", "plain"], default="antdt")
     ap.add_argument("--batch-size", type=int, default=8, help="plain mode: per-device batch")
-    ap.add_argument("--max-micro-batch", type=int, default=None)
+    ap.add_argument("--micro-cap", default=None, help="rank=R:size=S: memory cap (micro-batch size) of rank R")
     a = ap.parse_args(argv)
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
     torch.set_num_threads(1)
@@ -157,11 +167,14 @@ def main(argv: list[str] | None = None) -> int:
         ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", 1)) > 1 else None,
         ddp_broadcast_buffers=False,
     )
-    callbacks = [FaultInjector(a.fault)]
+    clock = StepClock()
+    callbacks = [FaultInjector(a.fault), clock]
     if a.mode == "plain":
         trainer = PlainTrainer(model=model, args=targs, train_dataset=data, callbacks=callbacks)
     else:
-        agent = AntDTAgent(AgentConfig(url=a.url, max_micro_batch=a.max_micro_batch))
+        cap = parse_spec(a.micro_cap)
+        mine = int(cap["size"]) if cap and int(cap["rank"]) == int(os.environ.get("RANK", 0)) else None
+        agent = AntDTAgent(AgentConfig(url=a.url, max_micro_batch=mine))
         trainer = WorkerTrainer(model=model, args=targs, train_dataset=data, callbacks=[agent, *callbacks])
     last = get_last_checkpoint(str(out)) if out.exists() else None
     t0 = time.time()
@@ -170,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", 0))
     inc = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     report = {"rank": rank, "incarnation": inc, "global_step": trainer.state.global_step, "wall_s": wall,
-              "resumed_from": last}
+              "resumed_from": last, "step_times": clock.times}
     if a.mode == "antdt":
         ag = trainer.antdt_agent
         ds = trainer._antdt_dataset
