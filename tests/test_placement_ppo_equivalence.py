@@ -18,7 +18,7 @@ STRATEGIES = ("colocated", "interleaved", "disaggregated")
 
 
 def _build(output_dir: str, placement, per_device: int = 4, iterations: int = 3, timeout_s: float = 120.0,
-           stop_token: str | None = "eos", **extra):
+           stop_token: str | None = "eos", eval_rows: int = 0, **extra):
     import torch.distributed as dist
 
     from trl_trainers import PPOConfig
@@ -39,11 +39,12 @@ def _build(output_dir: str, placement, per_device: int = 4, iterations: int = 3,
         total_episodes=per_device * world * iterations, bf16=False, report_to="none", disable_tqdm=True,
         temperature=1.0, kl_coef=0.05, num_sample_generations=0, save_strategy="no", gradient_checkpointing=False,
         seed=11, stop_token=stop_token, whiten_rewards=False, loss_normalization="mini_batch",
-        local_rollout_forward_batch_size=2,
+        local_rollout_forward_batch_size=2, per_device_eval_batch_size=2,
     )
     trainer = PlacedPPOTrainer(
         args, tok, tiny_causal_lm(len(tok), 0), None, TargetTokenRewardModel(tok.convert_tokens_to_ids("z")),
         prompt_dataset(tok, 32, exclude="z"), tiny_value_model(len(tok), 1), placement=placement,
+        eval_dataset=prompt_dataset(tok, eval_rows, seed=1) if eval_rows else None,
         placement_timeout_s=timeout_s, **extra,
     )
     trainer.callback_handler.callbacks = [c for c in trainer.callback_handler.callbacks
@@ -56,24 +57,28 @@ def _params(trainer) -> dict[str, np.ndarray]:
     return {k: v.detach().numpy().copy() for k, v in trainer.model.state_dict().items()}
 
 
-def _all_strategies(rank: int, world_size: int, output_dir: str, strategies: tuple[str, ...]):
+def _all_strategies(rank: int, world_size: int, output_dir: str, strategies: tuple[str, ...], per_device: int = 4,
+                    iterations: int = 3, eval_rows: int = 0):
     torch.set_num_threads(1)
     out = {}
     for name in strategies:
-        trainer = _build(f"{output_dir}/{name}", name)
+        trainer = _build(f"{output_dir}/{name}", name, per_device=per_device, iterations=iterations,
+                         eval_rows=eval_rows)
         trainer.train()
+        table = trainer.generate_completions() if eval_rows else None
         phases = sorted({e.phase for e in trainer.timeline.events})
         scores = [h["objective/scores"] for h in trainer.state.log_history if "objective/scores" in h]
         sync = [s.version for s in getattr(trainer.executor, "actor_sync", None).history] \
             if name == "disaggregated" else []
         out[name] = {"params": _params(trainer), "trainer": trainer.is_training_rank, "phases": phases,
                      "scores": scores, "sync_versions": sync,
+                     "completion_scores": table["score"] if table else None,
                      "roles": trainer.plan.roles_of(rank),
                      "has_ref": trainer.ref_model is not None, "has_reward": trainer.reward_model is not None}
     return out
 
 
-def _check(results, world: int):
+def _check(results, world: int, iterations: int = 3):
     base = results[0]["colocated"]["params"]
     for r in range(world):
         for key in base:
@@ -98,17 +103,18 @@ def _check(results, world: int):
     trainers = [d for d in dis if d["trainer"]]
     shadows = [d for d in dis if not d["trainer"]]
     assert trainers and shadows
+    assert "sync" in trainers[0]["phases"]  # the first training rank is the sync source
     for d in trainers:
         for key in base:
             # Adam divides by sqrt(v): fp32 summation-order noise in near-zero gradients becomes steps of ~1e-6..1e-5
             np.testing.assert_allclose(d["params"][key], base[key], rtol=1e-4, atol=2e-5, err_msg=key)
-        assert "generation" not in d["phases"] and "sync" in d["phases"]  # world 2: the one trainer is the source
+        assert "generation" not in d["phases"]
         assert "training" in d["phases"] and "wait:experience" in d["phases"]
     for d in shadows:
         assert "generation" in d["phases"] and "sync" in d["phases"] and "training" not in d["phases"]
         for key in base:
             np.testing.assert_array_equal(d["params"][key], trainers[0]["params"][key], err_msg=f"shadow {key}")
-        assert d["sync_versions"] == [1, 2, 3, 4]  # one per iteration, then the final push
+        assert d["sync_versions"] == list(range(1, iterations + 2))  # one per iteration, then the final push
     np.testing.assert_allclose(trainers[0]["scores"], results[0]["colocated"]["scores"], rtol=1e-5, atol=1e-6)
 
 
@@ -123,5 +129,20 @@ def _initial_params():
 
 @pytest.mark.slow
 def test_three_placements_same_update_two_ranks(tmp_path):
-    results = run_distributed(_all_strategies, 2, str(tmp_path), STRATEGIES, timeout=280)
+    results = run_distributed(_all_strategies, 2, str(tmp_path), STRATEGIES, eval_rows=8, timeout=280)
     _check(results, 2)
+    # completions on the eval set (near-greedy): interleaved gets its scores from the reward owners, disaggregated
+    # generates them on the inference rank with the shadow (synced to the final weights)
+    col = results[0]["colocated"]["completion_scores"]
+    assert len(col) == 8 and results[1]["colocated"]["completion_scores"] == col
+    assert results[0]["interleaved"]["completion_scores"] == col == results[1]["interleaved"]["completion_scores"]
+    assert results[0]["disaggregated"]["completion_scores"] is None  # the trainer leaves completions to the shadow
+    assert len(results[1]["disaggregated"]["completion_scores"]) == 8
+
+
+@pytest.mark.slow
+def test_three_placements_same_update_four_ranks(tmp_path):
+    # 4 ranks: interleaved ref on [0, 1], reward on [2, 3]; disaggregated trainers [0, 1], generators [2, 3], so every
+    # trainer receives shards from both generators.
+    results = run_distributed(_all_strategies, 4, str(tmp_path), STRATEGIES, per_device=2, iterations=2, timeout=560)
+    _check(results, 4, iterations=2)

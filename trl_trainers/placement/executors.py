@@ -21,9 +21,11 @@ and score their shards and stream them to the trainers over `hf_placement.Channe
 
 Why generation does not overlap *training* at staleness 0: TRL's PPO whitens advantages over the whole batch and
 shuffles the whole batch into mini-batches for several epochs, so the first optimizer step needs every sample, and
-the next iteration's samples need the weights after the last step. Overlap of generation with training is therefore
-the staleness-1 (one-step-off-policy) mode, which this package does not implement; what overlaps at staleness 0 is
-generation on several inference ranks, the transfer of finished shards, and the advantage computation.
+the next iteration's samples need the weights after the last step. What overlaps at staleness 0 is generation on
+several inference ranks, the transfer of finished shards, and the advantage computation. ``max_staleness=1`` (the
+one-step-off-policy mode) is where generation overlaps training: the batch of iteration ``u + 1`` is generated with
+the weights the trainer held at the start of iteration ``u`` (after ``u - 1`` updates) while the trainer trains on
+batch ``u``; PPO's importance ratio against the sampler's log-probs corrects for the one-step lag.
 """
 
 from __future__ import annotations
@@ -158,8 +160,12 @@ class DisaggregatedExecutor(_Executor):
     strategy = "disaggregated"
 
     def __init__(self, trainer: PlacedPPOTrainer, plan: PlacementPlan, timeout_s: float, role_groups: Any,
-                 weight_sync: str = "broadcast", bucket_bytes: int = 100 * 2**20):
+                 weight_sync: str = "broadcast", bucket_bytes: int = 100 * 2**20, max_staleness: int = 0):
         super().__init__(trainer, plan, timeout_s)
+        if max_staleness not in (0, 1):
+            raise ValueError(f"max_staleness={max_staleness!r}: use 0 (synchronous PPO) or 1 (one-step off-policy).")
+        self.max_staleness = int(max_staleness)
+        self._produced_upto = 0
         self.train_ranks = sorted(plan.roles["actor"])
         self.infer_ranks = sorted(plan.roles["rollout"])
         self.world = plan.world_size
@@ -196,8 +202,9 @@ class DisaggregatedExecutor(_Executor):
     def _channel(self, peer: int) -> Channel:
         if peer not in self._channels:
             gen, trn = (self.rank, peer) if self.is_inference else (peer, self.rank)
+            # up to two iterations of shards stay in flight (staleness 1 sends batch u + 1 before u is taken)
             self._channels[peer] = Channel(peer, f"ppo:experience:{gen}->{trn}", self.timeout_s,
-                                           max_in_flight=self.world)
+                                           max_in_flight=2 * self.world)
         return self._channels[peer]
 
     # ---------------------------------------------------------------- sync
@@ -227,7 +234,7 @@ class DisaggregatedExecutor(_Executor):
         return {"shard": shard, "version": update, "context_length": ctx, "query_responses": rollout.query_responses,
                 "raw_responses": rollout.responses, **part}
 
-    def _produce(self, update: int) -> None:
+    def _produce(self, update: int, flush: bool = True) -> None:
         mine = [v for v in range(self.world) if self.generator_of(v) == self.rank]
         for v in mine:
             msg = self._shard_message(update, v)
@@ -237,6 +244,11 @@ class DisaggregatedExecutor(_Executor):
                 except ChannelError as exc:
                     raise PlacementError(f"inference rank {self.rank}: could not send experience shard {v} of "
                                          f"iteration {update} to training rank {exc.peer}: {exc}") from exc
+        self._produced_upto = update
+        if flush:
+            self._flush(update)
+
+    def _flush(self, update: int) -> None:
         with self.timeline.phase("wait:send"):
             for peer, ch in self._channels.items():
                 try:
@@ -271,9 +283,16 @@ class DisaggregatedExecutor(_Executor):
 
     def iteration(self, update: int) -> tuple[Experience | None, dict[str, torch.Tensor] | None]:
         t = self.trainer
-        self._sync(update)  # the shadows generate with the weights the trainer holds now (staleness 0)
+        # The shadows receive the weights the trainer holds now (after update - 1 updates).
+        self._sync(update)
         if self.is_inference:
-            self._produce(update)
+            if self.max_staleness == 0:
+                self._produce(update)
+            else:  # batch update + 1 from these weights while the trainer trains on batch update
+                total = self.trainer.args.num_total_batches
+                for target in (update, update + 1):
+                    if self._produced_upto < target <= total:
+                        self._produce(target, flush=False)
             return None, None
         shards = self._collect(update)
         with self.timeline.phase("experience"):
@@ -285,15 +304,21 @@ class DisaggregatedExecutor(_Executor):
 
     def finish(self, update: int) -> None:
         """Push the final weights so the shadows equal the trained models when training ends."""
+        if self.is_inference:
+            self._flush(update)
         self._sync(update)
 
 
 def make_executor(trainer: PlacedPPOTrainer, plan: PlacementPlan, timeout_s: float, role_groups: Any = None,
-                  weight_sync: str = "broadcast") -> _Executor:
+                  weight_sync: str = "broadcast", max_staleness: int = 0) -> _Executor:
     """The executor for ``plan``: colocated when every role is on every rank, disaggregated when shadow roles exist,
     interleaved otherwise (ref/reward on owner subsets, actor/critic on all ranks)."""
     if plan.is_disaggregated:
-        return DisaggregatedExecutor(trainer, plan, timeout_s, role_groups, weight_sync=weight_sync)
+        return DisaggregatedExecutor(trainer, plan, timeout_s, role_groups, weight_sync=weight_sync,
+                                     max_staleness=max_staleness)
+    if max_staleness:
+        raise ValueError(f"max_staleness={max_staleness} needs a disaggregated plan (generation on other ranks than "
+                         f"training); this {plan.strategy} plan generates and trains on the same ranks. Use 0.")
     everyone = list(range(plan.world_size))
     if all(sorted(plan.roles[r]) == everyone for r in ("actor", "critic", "ref", "reward")):
         return ColocatedExecutor(trainer, plan, timeout_s)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import os
 from collections import defaultdict
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -29,7 +30,8 @@ from transformers.utils import logging
 from hf_placement import PlacementPlan, build_role_groups, gather_timelines
 
 from .. import ppo_math as pm
-from .._distributed import init_distributed_from_env
+from .. import ppo_trainer as _ppo_trainer_module
+from .._distributed import DistContext, init_distributed_from_env
 from ..ppo_config import PPOConfig
 from ..ppo_trainer import Experience, PPOTrainer
 from .executors import DisaggregatedExecutor, InterleavedExecutor, make_executor
@@ -69,7 +71,7 @@ def resolve_plan(placement: str | PlacementPlan | dict | None, world_size: int) 
     return plan
 
 
-def equivalence_issues(args: PPOConfig, plan: PlacementPlan) -> list[str]:
+def equivalence_issues(args: PPOConfig, plan: PlacementPlan, max_staleness: int = 0) -> list[str]:
     """Why ``plan`` would not compute exactly the co-located update for ``args`` (empty list: it does).
 
     Co-located and interleaved share the data-parallel training split, so they are always equivalent. A
@@ -79,6 +81,9 @@ def equivalence_issues(args: PPOConfig, plan: PlacementPlan) -> list[str]:
     if not plan.is_disaggregated:
         return []
     issues = []
+    if max_staleness:
+        issues.append(f"max_staleness={max_staleness}: batches are generated with weights one update old "
+                      "(one-step off-policy); use max_staleness=0 for the synchronous update")
     if args.num_mini_batches > 1:
         issues.append(f"num_mini_batches={args.num_mini_batches}: PPOTrainer shuffles each rank's rows into "
                       "mini-batches, so fewer training ranks form different mini-batches; use num_mini_batches=1 "
@@ -87,6 +92,29 @@ def equivalence_issues(args: PPOConfig, plan: PlacementPlan) -> list[str]:
         issues.append("loss_normalization='micro_batch' with a stop token: per-micro-batch loss means depend on how "
                       "rows of different lengths are grouped; use loss_normalization='mini_batch'")
     return issues
+
+
+class _SubgroupDistContext(DistContext):
+    """`DistContext` whose ``broadcast_module(src)`` takes ``src`` as a rank *inside* the group.
+
+    `PPOTrainer.__init__` broadcasts from ``src=0``, which torch reads as global rank 0: right for the world or a group
+    containing rank 0, wrong for a disaggregated inference group such as ranks [2, 3].
+    """
+
+    def broadcast_module(self, module: torch.nn.Module, src: int = 0) -> None:
+        if self.world_size > 1 and self.group is not None:
+            src = dist.get_global_rank(self.group, src)
+        super().broadcast_module(module, src=src)
+
+
+@contextmanager
+def _group_local_broadcast():
+    original = _ppo_trainer_module.DistContext
+    _ppo_trainer_module.DistContext = _SubgroupDistContext
+    try:
+        yield
+    finally:
+        _ppo_trainer_module.DistContext = original
 
 
 class PlacedPPOTrainer(PPOTrainer):
@@ -103,6 +131,9 @@ class PlacedPPOTrainer(PPOTrainer):
             ``"broadcast"`` or ``"bucketed_p2p"``.
         strict_equivalence (`bool`, *optional*, defaults to `False`): raise if the configuration cannot compute
             exactly the co-located update (see `equivalence_issues`) instead of logging it.
+        max_staleness (`int`, *optional*, defaults to 0): 1 makes a disaggregated run one-step off-policy: the
+            inference ranks generate batch ``u + 1`` while the trainers train on batch ``u`` (not the co-located
+            update by design).
 
     Example (under ``torchrun --nproc_per_node 2``):
 
@@ -116,7 +147,7 @@ class PlacedPPOTrainer(PPOTrainer):
     def __init__(self, args: PPOConfig, processing_class, model, ref_model, reward_model, train_dataset, value_model,
                  data_collator=None, eval_dataset=None, optimizers=(None, None), callbacks=None, peft_config=None,
                  placement: str | PlacementPlan | dict | None = None, placement_timeout_s: float = 300.0,
-                 weight_sync: str = "broadcast", strict_equivalence: bool = False) -> None:
+                 weight_sync: str = "broadcast", strict_equivalence: bool = False, max_staleness: int = 0) -> None:
         if not isinstance(args, PPOConfig):
             raise TypeError(f"args must be a trl_trainers.PPOConfig, got {type(args).__name__}.")
         if placement_timeout_s <= 0:
@@ -125,7 +156,12 @@ class PlacedPPOTrainer(PPOTrainer):
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         rank = dist.get_rank() if world > 1 else 0
         plan = resolve_plan(placement, world)
-        issues = equivalence_issues(args, plan)
+        if max_staleness not in (0, 1):
+            raise ValueError(f"max_staleness={max_staleness!r}: use 0 (synchronous PPO) or 1 (one-step off-policy).")
+        if max_staleness and not plan.is_disaggregated:
+            raise ValueError(f"max_staleness={max_staleness} needs placement='disaggregated' (generation on other "
+                             f"ranks than training); got a {plan.strategy} plan. Use max_staleness=0.")
+        issues = equivalence_issues(args, plan, max_staleness)
         if issues and strict_equivalence:
             raise ValueError(f"placement '{plan.strategy}' would not compute the co-located update: "
                              + "; ".join(issues) + ".")
@@ -146,15 +182,17 @@ class PlacedPPOTrainer(PPOTrainer):
             group = self.role_groups.group_for_ranks(side)
             args = copy.deepcopy(args)
             args.gradient_accumulation_steps *= world // len(side)
-        super().__init__(args, processing_class, model, ref_model, reward_model, train_dataset, value_model,
-                         data_collator=data_collator, eval_dataset=eval_dataset, optimizers=optimizers,
-                         callbacks=callbacks, peft_config=peft_config, group=group)
+        with _group_local_broadcast():
+            super().__init__(args, processing_class, model, ref_model, reward_model, train_dataset, value_model,
+                             data_collator=data_collator, eval_dataset=eval_dataset, optimizers=optimizers,
+                             callbacks=callbacks, peft_config=peft_config, group=group)
         owns = set(plan.roles_of(rank))
         if "ref" not in owns and self.ref_model is not None:
             self.ref_model = None  # held only by its owners
         if "reward" not in owns:
             self.reward_model = None
-        self.executor = make_executor(self, plan, placement_timeout_s, self.role_groups, weight_sync=weight_sync)
+        self.executor = make_executor(self, plan, placement_timeout_s, self.role_groups, weight_sync=weight_sync,
+                                      max_staleness=max_staleness)
 
     # ------------------------------------------------------------------ placement views
     @property
