@@ -191,6 +191,10 @@ class PlacedPPOTrainer(PPOTrainer):
             self.ref_model = None  # held only by its owners
         if "reward" not in owns:
             self.reward_model = None
+        if plan.is_disaggregated and rank not in plan.roles["actor"]:
+            # Shadows never take an optimizer step, yet the training loop steps the LR scheduler every iteration (to
+            # report the trainer's LR); tell torch that is intended instead of warning about the call order.
+            self.optimizer._opt_called = True
         self.executor = make_executor(self, plan, placement_timeout_s, self.role_groups, weight_sync=weight_sync,
                                       max_staleness=max_staleness)
 
