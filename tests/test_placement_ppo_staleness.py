@@ -23,10 +23,13 @@ def _stale_run(rank: int, world_size: int, output_dir: str):
     from test_placement_ppo_equivalence import _build, _params
 
     torch.set_num_threads(1)
-    trainer = _build(output_dir, "disaggregated", iterations=ITERATIONS, max_staleness=1)
+    # bucketed point-to-point weight sync (APP's transport) with small buckets, so several buckets travel
+    trainer = _build(output_dir, "disaggregated", iterations=ITERATIONS, max_staleness=1, weight_sync="bucketed_p2p")
+    trainer.executor.actor_sync.bucket_bytes = 64 * 1024
     trainer.train()
     kinds = [(e.phase, e.start, e.end) for e in trainer.timeline.events]
-    return _params(trainer), trainer.is_training_rank, kinds, trainer.executor.actor_sync.history[-1].version
+    last = trainer.executor.actor_sync.history[-1]
+    return _params(trainer), trainer.is_training_rank, kinds, (last.version, last.strategy, last.num_buckets)
 
 
 def _replay(output_dir: str, lag: int = 2):
@@ -52,7 +55,7 @@ def test_staleness_one_matches_off_policy_replay(tmp_path):
     (p0, trains0, events0, v0), (p1, trains1, events1, v1) = run_distributed(
         _stale_run, 2, str(tmp_path / "run"), timeout=280)
     assert trains0 and not trains1
-    assert v0 == v1 == ITERATIONS + 1
+    assert v0 == v1 and v0[:2] == (ITERATIONS + 1, "bucketed_p2p") and v0[2] > 1
     expected = _replay(str(tmp_path / "replay"))
     for key in expected:
         np.testing.assert_allclose(p0[key], expected[key], rtol=1e-4, atol=2e-5, err_msg=key)
