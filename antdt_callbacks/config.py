@@ -209,7 +209,10 @@ class AgentConfig(_DictMixin):
     Parameters:
         url (`str`, *optional*): service address ``http://host:port``; defaults to ``$ANTDT_SERVICE_URL``.
         token (`str`, *optional*): shared token; defaults to ``$ANTDT_TOKEN``.
-        prefetch_shards (`int`, *optional*, defaults to 2): shards a rank keeps leased ahead of consumption.
+        prefetch_batches (`int`, *optional*, defaults to 2): a rank leases ahead until it holds this many of its
+            own current batches (so a rank given a small batch does not hoard data).
+        prefetch_shards (`int`, *optional*, defaults to 4): at most this many shards leased ahead (more only when
+            they are short tails that do not fill one batch).
         heartbeat_s (`float`, *optional*): lease renewal period; defaults to a third of the job's lease TTL.
         request_timeout_s (`float`, *optional*, defaults to 10): socket timeout of one request.
         retry_timeout_s (`float`, *optional*, defaults to 60): how long a request is retried while the service is
@@ -223,7 +226,8 @@ class AgentConfig(_DictMixin):
 
     url: str | None = field(default=None, metadata={"help": "Service URL (default: $ANTDT_SERVICE_URL)."})
     token: str | None = field(default=None, metadata={"help": "Shared token (default: $ANTDT_TOKEN)."})
-    prefetch_shards: int = field(default=2, metadata={"help": "Shards leased ahead."})
+    prefetch_batches: int = field(default=2, metadata={"help": "Own batches leased ahead."})
+    prefetch_shards: int = field(default=4, metadata={"help": "Most shards leased ahead."})
     heartbeat_s: float | None = field(default=None, metadata={"help": "Lease renewal period (default TTL/3)."})
     request_timeout_s: float = field(default=10.0, metadata={"help": "Socket timeout per request."})
     retry_timeout_s: float = field(default=60.0, metadata={"help": "Retry budget while the service is down."})
@@ -238,7 +242,8 @@ class AgentConfig(_DictMixin):
             self.token = os.environ.get("ANTDT_TOKEN") or None
         if self.max_micro_batch is None and os.environ.get("ANTDT_MAX_MICRO_BATCH"):
             self.max_micro_batch = int(os.environ["ANTDT_MAX_MICRO_BATCH"])
-        for name in ("prefetch_shards", "request_timeout_s", "retry_timeout_s", "wait_poll_s", "stop_timeout_s"):
+        for name in ("prefetch_batches", "prefetch_shards", "request_timeout_s", "retry_timeout_s", "wait_poll_s",
+                     "stop_timeout_s"):
             _positive(self, name)
         if self.heartbeat_s is not None:
             _positive(self, "heartbeat_s")

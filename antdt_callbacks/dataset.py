@@ -192,7 +192,13 @@ class ServiceIterableDataset(IterableDataset):
             while not self._stop.is_set():
                 with self._cond:
                     ahead = sum(1 for lease in self._leases if lease.left > 0)
-                    want = ahead < self.config.prefetch_shards and self._status != "end"
+                    avail = sum(lease.left for lease in self._leases)
+                    # Lease ahead by *samples* (`prefetch_batches` of this rank's current batch), at most
+                    # `prefetch_shards` shards: a slow rank with a small batch must not hoard data, or the fast ranks
+                    # run dry at the end of the data while it drains its hoard alone.
+                    need = self.config.prefetch_batches * max(1, self.batch_size)
+                    want = avail < need and (ahead < self.config.prefetch_shards or avail < self.batch_size)
+                    want = want and self._status != "end"
                     if not want:
                         self._cond.wait(timeout=0.2)
                         continue

@@ -57,6 +57,7 @@ def main() -> int:
     ap.add_argument("--sample-cost-s", type=float, default=0.004)
     ap.add_argument("--slowdown", type=float, default=3.0)
     ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--shard-size", type=int, default=8, help="samples per shard (the default shard size here)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "antdt.json"))
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="antdt_bench_"))
@@ -82,7 +83,7 @@ def main() -> int:
                         worker_args=[*cost, *slow1, "--mode", "plain", "--batch-size", str(b), "--max-steps",
                                      str(a.steps)], mode="plain")
         assert plain.returncode == 0, plain.log[-3000:]
-        job = JobConfig(dataset_size=n, shard_size=4 * b * world, world_size=world, global_batch_size=b * world,
+        job = JobConfig(dataset_size=n, shard_size=a.shard_size, world_size=world, global_batch_size=b * world,
                         shuffle=True)
         dd = run_job(tmp / f"dd{world}", world, job, MonitorConfig(window_steps=3),
                      ControllerConfig(policy="dd", min_gain=0.05), worker_args=[*cost, *slow1])
@@ -128,7 +129,8 @@ def main() -> int:
             "dd_vs_ideal_min": min(r["dd_vs_ideal"] for r in rows),
         },
         "rows": rows, "standalone_samples_s": sa, "runs": runs,
-        "config": {k: getattr(a, k) for k in ("per_device", "steps", "sample_cost_s", "slowdown", "warmup")},
+        "config": {k: getattr(a, k) for k in ("per_device", "steps", "sample_cost_s", "slowdown", "warmup",
+                                               "shard_size")},
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": __import__("os")
                     .cpu_count(), "note": "CPU shared with other engineers' jobs while measuring"},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
