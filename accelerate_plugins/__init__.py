@@ -1,3 +1,14 @@
-"""accelerate_plugins: part of hf-scale-plugins (see the README for what it provides)."""
+"""accelerate_plugins: research data-parallel engines behind Accelerate and the Hugging Face Trainer.
 
-__all__: list[str] = []
+- `ParoPlugin`: PaRO-DP settings from kwargs, a YAML/JSON file or ``PARO_*`` env vars (``PARO_CONFIG_FILE``).
+- `ParoAccelerator`: an `accelerate.Accelerator` whose ``prepare(model, optimizer)`` returns a
+  `paro_zero_backend.ParoEngine` (gradient accumulation, clipping, full-weight gathering, sharded save/load_state).
+- `ParoTrainer`: `transformers.Trainer` using `ParoAccelerator` (``from_pretrained``-loadable ``save_model``,
+  checkpoints and resume).
+"""
+
+from .paro_accelerator import ParoAccelerator, ParoOptimizer
+from .paro_plugin import ParoPlugin
+from .paro_trainer import ParoTrainer
+
+__all__ = ["ParoAccelerator", "ParoOptimizer", "ParoPlugin", "ParoTrainer"]
