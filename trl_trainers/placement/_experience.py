@@ -66,7 +66,7 @@ def ref_logprobs_fn(trainer: PPOTrainer) -> Callable[[dict[str, Any]], torch.Ten
     @torch.no_grad()
     def fn(batch: dict[str, Any]) -> torch.Tensor:
         args = trainer.args
-        qr, ctx = batch["query_responses"], int(batch["context_length"])
+        qr, ctx = batch["query_responses"].to(trainer.device), int(batch["context_length"])
         chunk = args.local_rollout_forward_batch_size
         parts = []
         for i in range(0, qr.size(0), chunk):
@@ -90,7 +90,8 @@ def reward_scores_fn(trainer: PPOTrainer) -> Callable[[dict[str, Any]], torch.Te
 
     @torch.no_grad()
     def fn(batch: dict[str, Any]) -> torch.Tensor:
-        queries, responses = batch["queries"], batch["responses"]
+        # partners' inputs arrive on the channel's transfer device (CPU on gloo)
+        queries, responses = batch["queries"].to(trainer.device), batch["responses"].to(trainer.device)
         chunk = trainer.args.local_rollout_forward_batch_size
         ctx = queries.size(1)
         parts = []

@@ -59,6 +59,17 @@ __all__ = ["ColocatedExecutor", "DisaggregatedExecutor", "InterleavedExecutor", 
 logger = logging.get_logger(__name__)
 
 
+def _to_device(tree: Any, device: torch.device) -> Any:
+    """Channels deliver tensors on their transfer device (CPU on gloo); move a received tree to the model's device."""
+    if isinstance(tree, torch.Tensor):
+        return tree.to(device)
+    if isinstance(tree, dict):
+        return {k: _to_device(v, device) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_to_device(v, device) for v in tree)
+    return tree
+
+
 class PlacementError(RuntimeError):
     """A placed PPO iteration failed because a peer rank (named in the message) died, stalled or misbehaved."""
 
@@ -123,8 +134,9 @@ class InterleavedExecutor(_Executor):
     def frozen_forwards(self, ref_batch: dict[str, Any], reward_batch: dict[str, Any]) -> tuple[Any, Any]:
         """Reference log-probs and reward scores of this rank's batch, from their owners (concurrently)."""
         try:
-            return tuple(_run_concurrently([RoleCall(self.ref_handle, self._ref_fn, ref_batch),
-                                            RoleCall(self.reward_handle, self._reward_fn, reward_batch)]))
+            out = _run_concurrently([RoleCall(self.ref_handle, self._ref_fn, ref_batch),
+                                     RoleCall(self.reward_handle, self._reward_fn, reward_batch)])
+            return tuple(_to_device(out, self.trainer.device))
         except ChannelError as exc:
             raise PlacementError(f"rank {self.rank}: interleaved ref/reward dispatch failed with peer rank "
                                  f"{exc.peer} (owner or partner of channel '{exc.channel}'): {exc}") from exc
@@ -267,7 +279,7 @@ class DisaggregatedExecutor(_Executor):
                 ch = self._channel(gen)
                 before = ch.bytes_received
                 try:
-                    msg = ch.recv()
+                    msg = _to_device(ch.recv(), self.trainer.device)
                 except ChannelError as exc:
                     raise PlacementError(
                         f"training rank {self.rank}: inference rank {gen} (shadow actor / ref / reward) did not "
