@@ -63,9 +63,15 @@ class DistContext:
             offset += n
 
     def broadcast_module(self, module: torch.nn.Module, src: int = 0) -> None:
-        """Make every rank hold rank ``src``'s parameters and buffers (what DDP does at construction)."""
+        """Make every rank hold the parameters and buffers of rank ``src`` *of this group* (DDP's start-up broadcast).
+
+        ``src`` is group-local: torch's ``broadcast`` takes a global rank, which is only the same thing for the world
+        group or a group that starts at global rank 0 (not, e.g., a disaggregated inference group on ranks [2, 3]).
+        """
         if self.world_size == 1:
             return
+        if self.group is not None:
+            src = dist.get_global_rank(self.group, src)
         with torch.no_grad():
             for tensor in list(module.parameters()) + list(module.buffers()):
                 dist.broadcast(tensor.data, src=src, group=self.group)

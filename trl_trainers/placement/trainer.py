@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import os
 from collections import defaultdict
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -30,8 +29,7 @@ from transformers.utils import logging
 from hf_placement import PlacementPlan, build_role_groups, gather_timelines
 
 from .. import ppo_math as pm
-from .. import ppo_trainer as _ppo_trainer_module
-from .._distributed import DistContext, init_distributed_from_env
+from .._distributed import init_distributed_from_env
 from ..ppo_config import PPOConfig
 from ..ppo_trainer import Experience, PPOTrainer
 from .executors import DisaggregatedExecutor, InterleavedExecutor, make_executor
@@ -92,29 +90,6 @@ def equivalence_issues(args: PPOConfig, plan: PlacementPlan, max_staleness: int 
         issues.append("loss_normalization='micro_batch' with a stop token: per-micro-batch loss means depend on how "
                       "rows of different lengths are grouped; use loss_normalization='mini_batch'")
     return issues
-
-
-class _SubgroupDistContext(DistContext):
-    """`DistContext` whose ``broadcast_module(src)`` takes ``src`` as a rank *inside* the group.
-
-    `PPOTrainer.__init__` broadcasts from ``src=0``, which torch reads as global rank 0: right for the world or a group
-    containing rank 0, wrong for a disaggregated inference group such as ranks [2, 3].
-    """
-
-    def broadcast_module(self, module: torch.nn.Module, src: int = 0) -> None:
-        if self.world_size > 1 and self.group is not None:
-            src = dist.get_global_rank(self.group, src)
-        super().broadcast_module(module, src=src)
-
-
-@contextmanager
-def _group_local_broadcast():
-    original = _ppo_trainer_module.DistContext
-    _ppo_trainer_module.DistContext = _SubgroupDistContext
-    try:
-        yield
-    finally:
-        _ppo_trainer_module.DistContext = original
 
 
 class PlacedPPOTrainer(PPOTrainer):
@@ -182,10 +157,9 @@ class PlacedPPOTrainer(PPOTrainer):
             group = self.role_groups.group_for_ranks(side)
             args = copy.deepcopy(args)
             args.gradient_accumulation_steps *= world // len(side)
-        with _group_local_broadcast():
-            super().__init__(args, processing_class, model, ref_model, reward_model, train_dataset, value_model,
-                             data_collator=data_collator, eval_dataset=eval_dataset, optimizers=optimizers,
-                             callbacks=callbacks, peft_config=peft_config, group=group)
+        super().__init__(args, processing_class, model, ref_model, reward_model, train_dataset, value_model,
+                         data_collator=data_collator, eval_dataset=eval_dataset, optimizers=optimizers,
+                         callbacks=callbacks, peft_config=peft_config, group=group)
         owns = set(plan.roles_of(rank))
         if "ref" not in owns and self.ref_model is not None:
             self.ref_model = None  # held only by its owners
