@@ -50,8 +50,9 @@ class JobConfig(_DictMixin):
     Parameters:
         > Parameters that control the data
         dataset_size (`int`): number of samples; sample ids are ``0 .. dataset_size - 1``.
-        shard_size (`int`, *optional*, defaults to 64): samples per shard. Smaller shards balance finer and redo less
-            after a failure; larger ones cost fewer requests.
+        shard_size (`int`, *optional*, defaults to 16): samples per shard. Smaller shards balance finer, redo less
+            after a failure and shorten the end-of-data tail a slow rank drains alone; larger ones cost fewer requests
+            (leases are asynchronous, so small shards stay cheap: see bench/antdt).
         num_epochs (`int`, *optional*, defaults to 1): passes over the data.
         seed (`int`, *optional*, defaults to 0): seed of the per-epoch shard order and of the in-shard shuffle.
         shuffle (`bool`, *optional*, defaults to `True`): shuffle shard order and the samples inside each shard.
@@ -65,7 +66,7 @@ class JobConfig(_DictMixin):
     """
 
     dataset_size: int = field(default=0, metadata={"help": "Number of samples (ids 0..N-1)."})
-    shard_size: int = field(default=64, metadata={"help": "Samples per shard."})
+    shard_size: int = field(default=16, metadata={"help": "Samples per shard."})
     num_epochs: int = field(default=1, metadata={"help": "Passes over the data."})
     seed: int = field(default=0, metadata={"help": "Seed of shard order and in-shard shuffle."})
     shuffle: bool = field(default=True, metadata={"help": "Shuffle shard order and samples inside shards."})
@@ -211,7 +212,7 @@ class AgentConfig(_DictMixin):
         token (`str`, *optional*): shared token; defaults to ``$ANTDT_TOKEN``.
         prefetch_batches (`int`, *optional*, defaults to 2): a rank leases ahead until it holds this many of its
             own current batches (so a rank given a small batch does not hoard data).
-        prefetch_shards (`int`, *optional*, defaults to 4): at most this many shards leased ahead (more only when
+        prefetch_shards (`int`, *optional*, defaults to 8): at most this many shards leased ahead (more only when
             they are short tails that do not fill one batch).
         heartbeat_s (`float`, *optional*): lease renewal period; defaults to a third of the job's lease TTL.
         request_timeout_s (`float`, *optional*, defaults to 10): socket timeout of one request.
@@ -227,7 +228,7 @@ class AgentConfig(_DictMixin):
     url: str | None = field(default=None, metadata={"help": "Service URL (default: $ANTDT_SERVICE_URL)."})
     token: str | None = field(default=None, metadata={"help": "Shared token (default: $ANTDT_TOKEN)."})
     prefetch_batches: int = field(default=2, metadata={"help": "Own batches leased ahead."})
-    prefetch_shards: int = field(default=4, metadata={"help": "Most shards leased ahead."})
+    prefetch_shards: int = field(default=8, metadata={"help": "Most shards leased ahead."})
     heartbeat_s: float | None = field(default=None, metadata={"help": "Lease renewal period (default TTL/3)."})
     request_timeout_s: float = field(default=10.0, metadata={"help": "Socket timeout per request."})
     retry_timeout_s: float = field(default=60.0, metadata={"help": "Retry budget while the service is down."})

@@ -57,7 +57,6 @@ def main() -> int:
     ap.add_argument("--sample-cost-s", type=float, default=0.004)
     ap.add_argument("--slowdown", type=float, default=3.0)
     ap.add_argument("--warmup", type=int, default=8)
-    ap.add_argument("--shard-size", type=int, default=8, help="samples per shard (the default shard size here)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "antdt.json"))
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="antdt_bench_"))
@@ -83,8 +82,7 @@ def main() -> int:
                         worker_args=[*cost, *slow1, "--mode", "plain", "--batch-size", str(b), "--max-steps",
                                      str(a.steps)], mode="plain")
         assert plain.returncode == 0, plain.log[-3000:]
-        job = JobConfig(dataset_size=n, shard_size=a.shard_size, world_size=world, global_batch_size=b * world,
-                        shuffle=True)
+        job = JobConfig(dataset_size=n, world_size=world, global_batch_size=b * world, shuffle=True)  # default shards
         dd = run_job(tmp / f"dd{world}", world, job, MonitorConfig(window_steps=3),
                      ControllerConfig(policy="dd", min_gain=0.05), worker_args=[*cost, *slow1])
         assert dd.returncode == 0, dd.log[-3000:]
@@ -102,18 +100,19 @@ def main() -> int:
                "requests_per_s": dd.service_stats.get("request_rate"),
                "service_busy_s_per_step": dd.service_stats.get("busy_s", 0) / steps,
                "collective_s_per_step": max(rep["collective_s"] for rep in reps) / steps,
-               "final_batch_sizes": [rep["history"][-2]["batch_size"] for rep in sorted(reps, key=lambda r: r["rank"])],
+               "final_batch_sizes": [int(statistics.median(h["batch_size"] for h in rep["history"][a.warmup:]))
+                                     for rep in sorted(reps, key=lambda r: r["rank"])],
                "steps": steps, "exactly_once": bool(dd.seen is not None and all(abs(s - 1) < 1e-3 for s in dd.seen))}
         rows.append(row)
         curves[world] = {rep["rank"]: rep["history"] for rep in reps}
         runs[world] = {"ddp_wall_s": plain.wall_s, "dd_wall_s": dd.wall_s}
     print(f"standalone samples/s: fast {sa['fast']:.1f}, slow {sa['slow']:.1f} (realised slowdown {realised:.2f}x)")
     print(f"{'ranks':>5} {'DDP':>9} {'AntDT-DD':>9} {'ideal':>9} {'DD/DDP':>7} {'DD/ideal':>8} {'rpc ovh':>8} "
-          f"{'req/step':>8} {'final b':>14}")
+          f"{'req/step':>8} {'median b':>16}")
     for r in rows:
         print(f"{r['world']:>5} {r['ddp_samples_s']:>9.1f} {r['dd_samples_s']:>9.1f} {r['ideal_samples_s']:>9.1f} "
               f"{r['dd_vs_ddp']:>7.2f} {r['dd_vs_ideal']:>8.2f} {r['rpc_overhead_fraction']:>8.2%} "
-              f"{r['requests_per_step']:>8.2f} {str(r['final_batch_sizes']):>14}")
+              f"{r['requests_per_step']:>8.2f} {str(r['final_batch_sizes']):>16}")
     png = Path(a.out).with_suffix(".png")
     _plot(curves, png)
     import torch
@@ -129,8 +128,8 @@ def main() -> int:
             "dd_vs_ideal_min": min(r["dd_vs_ideal"] for r in rows),
         },
         "rows": rows, "standalone_samples_s": sa, "runs": runs,
-        "config": {k: getattr(a, k) for k in ("per_device", "steps", "sample_cost_s", "slowdown", "warmup",
-                                               "shard_size")},
+        "config": {**{k: getattr(a, k) for k in ("per_device", "steps", "sample_cost_s", "slowdown", "warmup")},
+                   "shard_size": JobConfig(dataset_size=1).shard_size, "policy": "dd", "window_steps": 3},
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": __import__("os")
                     .cpu_count(), "note": "CPU shared with other engineers' jobs while measuring"},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
