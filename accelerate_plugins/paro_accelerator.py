@@ -119,7 +119,8 @@ class ParoAccelerator(Accelerator):
         *args, **kwargs: passed to `Accelerator`. ``deepspeed_plugin`` and ``fsdp_plugin`` are rejected: PaRO is the
             data-parallel engine, it cannot be combined with another one.
 
-    Launch with several processes (``accelerate launch --num_processes N``, plus ``--cpu`` on CPU-only machines).
+    Launch with several processes: ``accelerate launch --multi_gpu --num_processes N`` or ``torchrun``; on a CPU-only
+    machine keep that launcher and pass ``cpu=True`` (Accelerate's ``--cpu`` multi-process path needs mpirun).
     """
 
     def __init__(self, *args: Any, paro_plugin: ParoPlugin | None = None, **kwargs: Any):
@@ -142,7 +143,9 @@ class ParoAccelerator(Accelerator):
             raise ValueError("The Accelerate state has a DeepSpeed or FSDP plugin; PaRO replaces them. Launch with a "
                              "plain MULTI_GPU/MULTI_CPU accelerate config.")
         if self.distributed_type not in _SUPPORTED:
-            hint = " (add --cpu / use_cpu=True on a CPU-only machine)" if not torch.cuda.is_available() else ""
+            hint = (" (CPU-only machine: `accelerate launch --multi_gpu --num_processes N` uses the torchrun launcher; "
+                    "build the accelerator with cpu=True / TrainingArguments(use_cpu=True))"
+                    if not torch.cuda.is_available() else "")
             raise ValueError(f"ParoAccelerator needs a multi-process data-parallel launch, got distributed_type="
                              f"{self.distributed_type}. Launch with `accelerate launch --num_processes N`{hint} or "
                              "torchrun.")

@@ -1,9 +1,10 @@
 """A plain Accelerate training loop with `ParoAccelerator` (gradient accumulation, clipping, LR schedule, checkpoint).
 
-    PARO_STRATEGY=NIG PARO_GROUP_SIZE=1 accelerate launch --cpu --num_processes 2 examples/paro/accelerate_loop.py
+    PARO_STRATEGY=NIG PARO_GROUP_SIZE=1 accelerate launch --multi_gpu --num_processes 2 examples/paro/accelerate_loop.py
 
-The loop is the ordinary Accelerate one: only the Accelerator class changes. `save_state` writes the engine's per-rank
-shards (resume with the same launch), `save_model` the consolidated weights.
+(`--multi_gpu` selects Accelerate's torchrun launcher; without a GPU the script passes `cpu=True`, so the ranks use
+gloo on CPU.) The loop is the ordinary Accelerate one: only the Accelerator class changes. `save_state` writes the
+engine's per-rank shards (resume with the same launch), `save_model` the consolidated weights.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     accelerator = ParoAccelerator(gradient_accumulation_steps=2, cpu=not torch.cuda.is_available())
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0,
+                                           eos_token_id=0))
     data = torch.randint(1, 64, (8, 16), generator=torch.Generator().manual_seed(0))
     data = data[torch.arange(cli.steps * 2 * 4 * accelerator.num_processes) % 8]
     loader = torch.utils.data.DataLoader(data, batch_size=4)

@@ -2,10 +2,12 @@
 
 Run on CPU with 2 processes (PaRO settings from the YAML file; `accelerate launch` rejects PaRO keys in its own config):
 
-    PARO_CONFIG_FILE=examples/paro/paro.yaml accelerate launch --cpu --num_processes 2 \
+    PARO_CONFIG_FILE=examples/paro/paro.yaml accelerate launch --multi_gpu --num_processes 2 \
         examples/paro/train_trainer.py --output_dir /tmp/paro_trainer
 
-or `torchrun --nproc_per_node 2 examples/paro/train_trainer.py --use_cpu ...`. The final weights are written with
+(`--multi_gpu` selects Accelerate's torchrun launcher; with no GPU the script runs on CPU/gloo because it sets
+`use_cpu`; Accelerate's own `--cpu` multi-process path needs mpirun), or
+`torchrun --nproc_per_node 2 examples/paro/train_trainer.py`. The final weights are written with
 `save_model` (collective gather, safetensors) and reloaded with `from_pretrained` as a check.
 """
 
@@ -44,7 +46,7 @@ def main() -> None:
     cli = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(config)
     args = TrainingArguments(output_dir=cli.output_dir, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                              num_train_epochs=cli.epochs, learning_rate=3e-3, logging_steps=2, save_strategy="epoch",
