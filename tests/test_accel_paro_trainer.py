@@ -76,6 +76,38 @@ def _train(kind, out, **kw):
     return trainer, losses, norms, _np(weights)
 
 
+def _lora_model():
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(tiny_gpt2(), LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0,
+                                                  fan_in_fan_out=True, init_lora_weights="gaussian"))
+
+
+def _train_lora(kind, out):
+    """LoRA: frozen base weights are only gathered (p level), trainable adapters also carry g/os (ING strategy)."""
+    from transformers import Trainer
+
+    from accelerate_plugins import ParoPlugin, ParoTrainer
+
+    torch.manual_seed(0)
+    model = _lora_model()
+    args = _args(out)
+    if kind == "ddp":
+        trainer = Trainer(model=model, args=args, train_dataset=_Tokens())
+        weights = None
+    else:
+        trainer = ParoTrainer(model=model, args=args, train_dataset=_Tokens(),
+                              paro_plugin=ParoPlugin(strategy="ING", group_size=2))
+    trainer.train()
+    if kind == "ddp":
+        weights = {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
+    else:
+        full = trainer.accelerator.get_state_dict(trainer.model_wrapped)
+        weights = {k: v for k, v in full.items() if "lora_" in k}
+        trainer.save_model(os.path.join(out, "adapter"))
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h], _np(weights)
+
+
 def _accelerate_loop(out):
     """The same training through a raw ParoAccelerator loop with accumulate(), clip and a scheduler."""
     from transformers import get_linear_schedule_with_warmup
@@ -165,6 +197,7 @@ def _worker(rank, world_size, root):
     trainer.train(resume_from_checkpoint=os.path.join(ck, "checkpoint-2"))
     res["resume"]["resumed"] = _np(trainer.accelerator.get_state_dict(trainer.model_wrapped))
     res["resume"]["resumed_losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    res["lora"] = {kind: _train_lora(kind, os.path.join(root, "lora_" + kind)) for kind in ("ddp", "paro")}
     res["accelerate"] = _accelerate_loop(root)
     if rank == 0:
         res["accelerate"]["ref"] = _accelerate_ref_loop()
@@ -226,3 +259,17 @@ def test_launch_errors(results):
     errs = out[0]["errors"]
     assert "group_size=3 does not divide the world size 2" in errs["group_size"]
     assert "model and its optimizer together" in errs["no_optimizer"]
+
+
+def test_lora_paro_equals_ddp_and_adapter_loads(results):
+    from peft import PeftModel
+
+    out, root = results
+    (ddp_losses, ddp_w), (paro_losses, paro_w) = out[0]["lora"]["ddp"], out[0]["lora"]["paro"]
+    np.testing.assert_allclose(paro_losses, ddp_losses, atol=LOSS_TOL)
+    assert ddp_w and sorted(paro_w) == sorted(ddp_w)
+    assert max_rel_diff(_t(paro_w), _t(ddp_w)) < FP32_TOL
+    torch.manual_seed(0)
+    loaded = PeftModel.from_pretrained(tiny_gpt2(), os.path.join(root, "lora_paro", "adapter"))
+    got = {k: v for k, v in loaded.state_dict().items() if "lora_" in k}
+    assert max_rel_diff(got, _t(paro_w)) == 0.0
