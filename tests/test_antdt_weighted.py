@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from antdt_callbacks import WeightedHookState, weighted_allreduce_hook
 from hf_placement.testing import run_distributed
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 SIZES = [6, 2]  # rank 0 has three times rank 1's batch
 CAPS = [4, None]  # rank 0 is memory-capped: its 6 samples run as micro-batches of 4 + 2 (local accumulation)
