@@ -53,7 +53,7 @@ def _np(state):
     return {k: v.detach().float().numpy().copy() for k, v in state.items()}
 
 
-def _train(kind, out, **kw):
+def _train(kind, out, paro=None, **kw):
     from transformers import Trainer
 
     from accelerate_plugins import ParoPlugin, ParoTrainer
@@ -63,7 +63,7 @@ def _train(kind, out, **kw):
     if kind == "ddp":
         trainer = Trainer(model=model, args=args, train_dataset=_Tokens())
     else:
-        strategy, m = RUNS[kind]
+        strategy, m = paro if paro is not None else RUNS[kind]
         trainer = ParoTrainer(model=model, args=args, train_dataset=_Tokens(),
                               paro_plugin=ParoPlugin(strategy=strategy, group_size=m))
     trainer.train()
