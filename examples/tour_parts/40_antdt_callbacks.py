@@ -39,7 +39,7 @@ def run() -> str:
                 t.start()
             for t in threads:
                 t.join(timeout=60)
-            sizes = [ds.batch_size for ds in dss]
+            sizes = dss[0].client.plan()["plan"]["batch_sizes"]  # the Controller's current split
         finally:
             svc.stop()
     assert sorted(seen) == list(range(101)) and set(seen.values()) == {1}
