@@ -181,7 +181,9 @@ def _worker(rank, world_size, root):
     res = {"errors": _errors()}
     for kind in RUNS:
         trainer, losses, norms, weights = _train(kind, os.path.join(root, kind))
-        res[kind] = {"losses": losses, "norms": norms, "weights": weights}
+        # evaluation after training runs the forward through the engine's gather hooks
+        res[kind] = {"losses": losses, "norms": norms, "weights": weights,
+                     "eval_loss": trainer.evaluate(_Tokens(n=8, seed=5))["eval_loss"]}
         if kind == "IIG_m2":
             save = os.path.join(root, "saved")
             trainer.save_model(save)  # collective on every rank
@@ -222,6 +224,7 @@ def test_trainer_paro_equals_ddp(results, kind):
     assert len(paro["losses"]) == len(ddp["losses"]) == 4
     np.testing.assert_allclose(paro["losses"], ddp["losses"], atol=LOSS_TOL)
     np.testing.assert_allclose(paro["norms"], ddp["norms"], rtol=1e-4)
+    assert abs(paro["eval_loss"] - ddp["eval_loss"]) < LOSS_TOL
     assert max_rel_diff(_t(paro["weights"]), _t(ddp["weights"])) < FP32_TOL
     # every rank ends with the same full weights
     assert max_rel_diff(_t(out[1][kind]["weights"]), _t(paro["weights"])) == 0.0
