@@ -188,6 +188,9 @@ def _worker(rank, world_size, root):
             save = os.path.join(root, "saved")
             trainer.save_model(save)  # collective on every rank
             res["saved_files"] = sorted(os.listdir(save)) if rank == 0 else None
+    # bf16 (TrainingArguments.bf16 -> Accelerator mixed_precision -> engine compute dtype; fp32 master weights)
+    bf16_trainer, bf16_losses, _, _ = _train("IIG_m2", os.path.join(root, "bf16"), bf16=True)
+    res["bf16"] = {"losses": bf16_losses, "dtype": str(bf16_trainer.paro_engine.compute_dtype)}
     # Checkpoint + resume: train 2 epochs saving every step, then resume from the mid-run checkpoint.
     ck = os.path.join(root, "ckpt")
     _, full_losses, _, full_w = _train("IIG_m2", ck, save_strategy="steps", save_steps=2)
@@ -276,3 +279,10 @@ def test_lora_paro_equals_ddp_and_adapter_loads(results):
     loaded = PeftModel.from_pretrained(tiny_gpt2(), os.path.join(root, "lora_paro", "adapter"))
     got = {k: v for k, v in loaded.state_dict().items() if "lora_" in k}
     assert max_rel_diff(got, _t(paro_w)) == 0.0
+
+
+def test_bf16_follows_training_arguments(results):
+    out, _ = results
+    assert out[0]["bf16"]["dtype"] == "torch.bfloat16"
+    # bf16 compute with fp32 master weights stays close to the fp32 DDP run over these few steps
+    np.testing.assert_allclose(out[0]["bf16"]["losses"], out[0]["ddp"]["losses"], atol=1e-2)
