@@ -13,10 +13,10 @@ if [[ ! -x "$VENV/bin/python" ]]; then
   "$PY" -m venv "$VENV"
 fi
 if [[ ! -f "$STAMP" || "$(cat "$STAMP")" != "$want" ]]; then
-  echo "[env] installing torch==2.13.0 (CPU) and hf-scale-plugins[test,deepspeed] (editable)"
+  echo "[env] installing torch==2.13.0 (CPU) and hf-scale-plugins[test,deepspeed,plot] (editable)"
   # torch first and pinned: on these machines 2.13.0 is a CPU wheel on disk; an unpinned request pulls CUDA builds.
   "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
-  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "torch==2.13.0" -e ".[test,deepspeed]" \
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "torch==2.13.0" -e ".[test,deepspeed,plot]" \
     2>&1 | grep -v "is ignored" || true
   "$VENV/bin/python" -c "import torch, hf_placement; assert torch.__version__.startswith('2.13.0'), torch.__version__"
   echo "$want" > "$STAMP"
