@@ -446,8 +446,11 @@ class PPOTrainer:
         return {k: torch.cat(v) for k, v in out.items()}
 
     @torch.no_grad()
-    def compute_advantages(self, scored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Masks, EOS penalty, KL-penalised rewards, GAE and whitening (statistics over all ranks)."""
+    def per_sample_rewards(self, scored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The per-sample half of :meth:`compute_advantages`: masks, EOS penalty, KL and KL-penalised rewards.
+
+        Nothing here mixes samples, so a placement executor can run it on any shard of the batch.
+        """
         args = self.args
         responses, lengths = scored["responses"], scored["sequence_lengths"]
         scores = scored["scores"].clone()
@@ -460,17 +463,33 @@ class PPOTrainer:
         values = scored["values"].masked_fill(~value_mask, 0.0)
         kl = pm.kl_per_token(logprobs, ref_logprobs, args.kl_estimator)
         rewards, non_score_reward = pm.kl_penalty_rewards(kl, scores, lengths, args.kl_coef)
+        return {
+            "responses": responses, "sequence_lengths": lengths, "scores": scores, "logprobs": logprobs,
+            "ref_logprobs": ref_logprobs, "values": values, "kl": kl, "non_score_reward": non_score_reward,
+            "rewards": rewards, "token_mask": token_mask, "value_mask": value_mask, "contain_eos": contain_eos,
+        }
+
+    @torch.no_grad()
+    def batch_advantages(self, part: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The batch half of :meth:`compute_advantages`: reward whitening, GAE and advantage whitening.
+
+        Whitening statistics are summed over ``self.dist`` (all ranks, or the training group under a placement), which
+        holds the whole global batch exactly once.
+        """
+        args = self.args
+        token_mask, value_mask = part["token_mask"], part["value_mask"]
         reduce = self.dist.all_reduce_sum if self.dist.world_size > 1 else None
+        rewards = part["rewards"]
         if args.whiten_rewards:
             rewards = pm.masked_whiten(rewards, value_mask, shift_mean=False, all_reduce=reduce)
             rewards = rewards.masked_fill(~value_mask, 0.0)
-        advantages, returns = pm.compute_gae(rewards, values, args.gamma, args.lam)
+        advantages, returns = pm.compute_gae(rewards, part["values"], args.gamma, args.lam)
         advantages = pm.masked_whiten(advantages, token_mask, all_reduce=reduce).masked_fill(~token_mask, 0.0)
-        return {
-            "scores": scores, "logprobs": logprobs, "ref_logprobs": ref_logprobs, "values": values, "kl": kl,
-            "non_score_reward": non_score_reward, "rewards": rewards, "advantages": advantages, "returns": returns,
-            "token_mask": token_mask, "value_mask": value_mask, "contain_eos": contain_eos,
-        }
+        return {**part, "rewards": rewards, "advantages": advantages, "returns": returns}
+
+    def compute_advantages(self, scored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Masks, EOS penalty, KL-penalised rewards, GAE and whitening (statistics over all ranks)."""
+        return self.batch_advantages(self.per_sample_rewards(scored))
 
     def make_experience(self, rollout: Rollout) -> Experience:
         """Phase 2: :meth:`score_rollout` then :meth:`compute_advantages`."""

@@ -6,9 +6,9 @@ computation in pieces that can run apart:
 
 - `local_scores`: sampler log-probs, processed responses, lengths and values (the actor/critic side);
 - `ref_logprobs_fn` / `reward_scores_fn`: the reference and reward forwards on a message dict, for owner dispatch;
-- `shard_rewards`: masks, EOS penalty, KL and KL-penalised rewards of one shard (no cross-sample statistics);
-- `finish_advantages`: reward whitening, GAE and advantage whitening over the (possibly concatenated) shards, with
-  statistics reduced over the training group, the only step that needs the whole batch.
+- `PPOTrainer.per_sample_rewards` (not here): masks, EOS penalty, KL and KL-penalised rewards of one shard;
+- `PPOTrainer.batch_advantages` (not here): reward whitening, GAE and advantage whitening over the (possibly
+  concatenated) shards, with statistics reduced over the training group, the only step that needs the whole batch.
 
 Every piece processes the rows in chunks of ``local_rollout_forward_batch_size`` exactly like the trainer, so a shard
 scored here is bit-identical to the same rows scored by `PPOTrainer.score_rollout` on a co-located rank.
@@ -28,11 +28,9 @@ from ..ppo_trainer import Experience, PPOTrainer, Rollout
 __all__ = [
     "concat_shards",
     "experience_from",
-    "finish_advantages",
     "local_scores",
     "ref_logprobs_fn",
     "reward_scores_fn",
-    "shard_rewards",
 ]
 
 
@@ -106,28 +104,6 @@ def reward_scores_fn(trainer: PPOTrainer) -> Callable[[dict[str, Any]], torch.Te
     return fn
 
 
-@torch.no_grad()
-def shard_rewards(trainer: PPOTrainer, scored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The per-sample half of `PPOTrainer.compute_advantages`: masks, EOS penalty, KL, KL-penalised rewards."""
-    args = trainer.args
-    responses, lengths = scored["responses"], scored["sequence_lengths"]
-    scores = scored["scores"].clone()
-    contain_eos = (responses == trainer.processing_class.eos_token_id).any(dim=-1)
-    if args.missing_eos_penalty is not None:
-        scores[~contain_eos] -= args.missing_eos_penalty
-    token_mask, value_mask = pm.response_masks(lengths, responses.size(1))
-    logprobs = scored["logprobs"].masked_fill(~token_mask, pm.INVALID_LOGPROB)
-    ref_logprobs = scored["ref_logprobs"].masked_fill(~token_mask, pm.INVALID_LOGPROB)
-    values = scored["values"].masked_fill(~value_mask, 0.0)
-    kl = pm.kl_per_token(logprobs, ref_logprobs, args.kl_estimator)
-    rewards, non_score_reward = pm.kl_penalty_rewards(kl, scores, lengths, args.kl_coef)
-    return {
-        "responses": responses, "sequence_lengths": lengths, "scores": scores, "logprobs": logprobs,
-        "ref_logprobs": ref_logprobs, "values": values, "kl": kl, "non_score_reward": non_score_reward,
-        "rewards": rewards, "token_mask": token_mask, "value_mask": value_mask, "contain_eos": contain_eos,
-    }
-
-
 # Fill values when shards of different response widths are concatenated: every padded position is outside both
 # masks, so GAE (which bootstraps with 0 after the last position) and the masked whitening see exactly what the
 # narrower shard saw on its own.
@@ -161,24 +137,6 @@ def concat_shards(shards: list[dict[str, Any]], pad_token_id: int) -> dict[str, 
 
 
 @torch.no_grad()
-def finish_advantages(trainer: PPOTrainer, part: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The batch half of `PPOTrainer.compute_advantages`: reward whitening, GAE, advantage whitening.
-
-    Whitening statistics are summed over ``trainer.dist`` (the training group), which holds the whole global batch
-    exactly once, so they equal the co-located statistics up to summation order.
-    """
-    args = trainer.args
-    token_mask, value_mask = part["token_mask"], part["value_mask"]
-    reduce = trainer.dist.all_reduce_sum if trainer.dist.world_size > 1 else None
-    rewards = part["rewards"]
-    if args.whiten_rewards:
-        rewards = pm.masked_whiten(rewards, value_mask, shift_mean=False, all_reduce=reduce)
-        rewards = rewards.masked_fill(~value_mask, 0.0)
-    advantages, returns = pm.compute_gae(rewards, part["values"], args.gamma, args.lam)
-    advantages = pm.masked_whiten(advantages, token_mask, all_reduce=reduce).masked_fill(~token_mask, 0.0)
-    return {**part, "rewards": rewards, "advantages": advantages, "returns": returns}
-
-
 def experience_from(query_responses: torch.Tensor, context_length: int, raw_responses: torch.Tensor,
                     sequence_lengths: torch.Tensor, adv: dict[str, torch.Tensor]) -> Experience:
     """An `Experience` exactly as `PPOTrainer.make_experience` assembles it."""

@@ -44,11 +44,9 @@ from ..ppo_trainer import Experience
 from ._experience import (
     concat_shards,
     experience_from,
-    finish_advantages,
     local_scores,
     ref_logprobs_fn,
     reward_scores_fn,
-    shard_rewards,
 )
 
 if TYPE_CHECKING:
@@ -242,7 +240,7 @@ class DisaggregatedExecutor(_Executor):
             ctx = rollout.context_length
             scored["ref_logprobs"] = self._ref_fn({"query_responses": rollout.query_responses, "context_length": ctx})
             scored["scores"] = self._reward_fn({"queries": rollout.queries, "responses": scored["responses"]})
-            part = shard_rewards(t, scored)
+            part = t.per_sample_rewards(scored)
         return {"shard": shard, "version": update, "context_length": ctx, "query_responses": rollout.query_responses,
                 "raw_responses": rollout.responses, **part}
 
@@ -309,7 +307,7 @@ class DisaggregatedExecutor(_Executor):
         shards = self._collect(update)
         with self.timeline.phase("experience"):
             part = concat_shards(shards, t.pad_token_id)
-            adv = finish_advantages(t, part)
+            adv = t.batch_advantages(part)
             exp = experience_from(part["query_responses"], part["context_length"], part["raw_responses"],
                                   part["sequence_lengths"], adv)
         return exp, self._train(exp, update)
