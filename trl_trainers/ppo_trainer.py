@@ -659,6 +659,11 @@ class PPOTrainer:
         self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
 
     # ------------------------------------------------------------------ completions
+    def _completion_scores(self, queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
+        """Reward scores of eval completions (a placement may compute them on the reward model's owner ranks)."""
+        return sequence_scores(self.reward_model, torch.cat([queries, responses], 1), self.pad_token_id,
+                               queries.size(1)).float()
+
     @torch.no_grad()
     def generate_completions(self, sampling: bool = False) -> dict[str, list] | None:
         """Near-greedy completions (temperature 0.01) on the eval set, with reward scores; ``sampling=True`` stops
@@ -676,8 +681,7 @@ class PPOTrainer:
             response = rollout.responses
             if self.stop_token_id is not None:
                 response = pm.truncate_after_stop_token(response, self.stop_token_id, self.pad_token_id)
-            scores = sequence_scores(self.reward_model, torch.cat([queries, response], 1), self.pad_token_id,
-                                     queries.size(1)).float()
+            scores = self._completion_scores(queries, response)
             parts = [(self.processing_class.batch_decode(queries, skip_special_tokens=True),
                       self.processing_class.batch_decode(response), scores.cpu().tolist())]
             if world > 1:
