@@ -88,12 +88,51 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, ba
                                 timeout=datetime.timedelta(seconds=collective_timeout))
         try:
             value = fn(rank, world_size, *args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
+            # Report before the process group is torn down: closing this rank's sockets makes its peers fail with
+            # connection errors, and the parent should see the root cause first.
+            results.put((rank, "error", (type(exc).__name__, str(exc), traceback.format_exc())))
+            return
         finally:
             # destroy without a barrier: a barrier here would hang if a peer already failed.
             dist.destroy_process_group()
         results.put((rank, "ok", value))
-    except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
+    except BaseException as exc:  # noqa: BLE001 - failures while starting up or tearing down
         results.put((rank, "error", (type(exc).__name__, str(exc), traceback.format_exc())))
+
+
+# Messages of errors that a rank gets because a *peer* went away (its sockets closed), not because of its own work.
+_PEER_FAILURE_MARKERS = ("gloo/transport", "Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                         "NCCL communicator was aborted")
+
+
+def _is_peer_failure(message: str) -> bool:
+    return any(marker in message for marker in _PEER_FAILURE_MARKERS)
+
+
+def _root_cause(first: tuple[int, str, str, str], results: Any, procs: list, values: dict,
+                grace_s: float = 2.0) -> RankError:
+    """The error to report once some rank failed: a rank's own failure rather than a peer's connection error.
+
+    When one rank raises, its peers often fail a moment later in a pending collective with "connection closed"; their
+    reports can reach the queue first. Collect reports for a short grace period and prefer one that is not such an
+    echo.
+    """
+    errors = [first]
+    deadline = time.monotonic() + grace_s
+    while _is_peer_failure(first[2]) and time.monotonic() < deadline:
+        if all(r in values or r in {e[0] for e in errors} for r in range(len(procs))):
+            break
+        try:
+            rank, status, payload = results.get(timeout=max(0.0, min(0.2, deadline - time.monotonic())))
+        except queue.Empty:
+            continue
+        if status == "error":
+            errors.append((rank, *payload))
+            if not _is_peer_failure(payload[1]):
+                break
+    rank, exc_type, message, tb = next((e for e in errors if not _is_peer_failure(e[2])), errors[0])
+    return RankError(rank, exc_type, message, tb)
 
 
 def run_distributed(
@@ -171,8 +210,7 @@ def run_distributed(
                 else:
                     continue
             if status == "error":
-                exc_type, message, tb = payload
-                raise RankError(rank, exc_type, message, tb)
+                raise _root_cause((rank, *payload), results, procs, values)
             values[rank] = payload
     finally:
         for p in procs:
