@@ -410,6 +410,21 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ phase 2: experience
     @torch.no_grad()
+    def ref_logprobs(self, query_response: torch.Tensor, context_length: int) -> torch.Tensor:
+        """Reference log-probs of the response tokens (the adapter-disabled policy when there is no ref model).
+
+        Call inside :meth:`_autocast`; placement executors call it on the reference model's owner ranks.
+        """
+        if self.ref_model is None:
+            with self.null_ref_context():
+                logits = policy_response_logits(self.model.policy, query_response, self.pad_token_id,
+                                                context_length, self.args.temperature)
+        else:
+            logits = policy_response_logits(self.ref_model, query_response, self.pad_token_id, context_length,
+                                            self.args.temperature)
+        return pm.logprobs_from_logits(logits, query_response[:, context_length:])
+
+    @torch.no_grad()
     def score_rollout(self, rollout: Rollout) -> dict[str, torch.Tensor]:
         """Frozen forwards: sampler log-probs, reference log-probs, values and reward scores (per chunk)."""
         args = self.args
@@ -423,15 +438,7 @@ class PPOTrainer:
             response = query_response[:, ctx:]
             out["logprobs"].append(rollout.logprobs[i : i + chunk])
             with self._autocast():
-                if self.ref_model is None:
-                    with self.null_ref_context():
-                        ref_logits = policy_response_logits(
-                            self.model.policy, query_response, self.pad_token_id, ctx, args.temperature)
-                else:
-                    ref_logits = policy_response_logits(
-                        self.ref_model, query_response, self.pad_token_id, ctx, args.temperature)
-                out["ref_logprobs"].append(pm.logprobs_from_logits(ref_logits, response))
-                del ref_logits
+                out["ref_logprobs"].append(self.ref_logprobs(query_response, ctx))
                 processed = response
                 if self.stop_token_id is not None:
                     processed = pm.truncate_after_stop_token(response, self.stop_token_id, self.pad_token_id)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .. import ppo_math as pm
-from .._generation import policy_response_logits, score_head_outputs, sequence_scores
+from .._generation import score_head_outputs, sequence_scores
 from ..ppo_trainer import Experience, PPOTrainer, Rollout
 
 __all__ = [
@@ -70,14 +70,7 @@ def ref_logprobs_fn(trainer: PPOTrainer) -> Callable[[dict[str, Any]], torch.Ten
         for i in range(0, qr.size(0), chunk):
             query_response = qr[i : i + chunk]
             with trainer._autocast():
-                if trainer.ref_model is None:
-                    with trainer.null_ref_context():
-                        logits = policy_response_logits(
-                            trainer.model.policy, query_response, trainer.pad_token_id, ctx, args.temperature)
-                else:
-                    logits = policy_response_logits(
-                        trainer.ref_model, query_response, trainer.pad_token_id, ctx, args.temperature)
-                parts.append(pm.logprobs_from_logits(logits, query_response[:, ctx:]))
+                parts.append(trainer.ref_logprobs(query_response, ctx))
         return torch.cat(parts)
 
     return fn
