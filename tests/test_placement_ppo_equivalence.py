@@ -18,11 +18,12 @@ STRATEGIES = ("colocated", "interleaved", "disaggregated")
 
 
 def _build(output_dir: str, placement, per_device: int = 4, iterations: int = 3, timeout_s: float = 120.0,
-           stop_token: str | None = "eos", eval_rows: int = 0, **extra):
+           stop_token: str | None = "eos", eval_rows: int = 0, num_mini_batches: int = 2, **extra):
+    """A tiny PPO job under ``placement`` through ``PPOTrainer(..., placement=...)``; ``extra`` are PPOConfig fields
+    (``max_staleness``, ``weight_sync``...)."""
     import torch.distributed as dist
 
-    from trl_trainers import PPOConfig
-    from trl_trainers.placement import PlacedPPOTrainer
+    from trl_trainers import PPOConfig, PPOTrainer
     from trl_trainers.testing import (
         TargetTokenRewardModel,
         char_tokenizer,
@@ -35,17 +36,16 @@ def _build(output_dir: str, placement, per_device: int = 4, iterations: int = 3,
     tok = char_tokenizer()
     args = PPOConfig(
         output_dir=output_dir, per_device_train_batch_size=per_device, gradient_accumulation_steps=1,
-        num_ppo_epochs=2, num_mini_batches=1, response_length=6, learning_rate=3e-3,
+        num_ppo_epochs=2, num_mini_batches=num_mini_batches, response_length=6, learning_rate=3e-3,
         total_episodes=per_device * world * iterations, bf16=False, report_to="none", disable_tqdm=True,
         temperature=1.0, kl_coef=0.05, num_sample_generations=0, save_strategy="no", gradient_checkpointing=False,
         seed=11, stop_token=stop_token, whiten_rewards=False, loss_normalization="mini_batch",
-        local_rollout_forward_batch_size=2, per_device_eval_batch_size=2,
+        local_rollout_forward_batch_size=2, per_device_eval_batch_size=2, placement_timeout_s=timeout_s, **extra,
     )
-    trainer = PlacedPPOTrainer(
+    trainer = PPOTrainer(
         args, tok, tiny_causal_lm(len(tok), 0), None, TargetTokenRewardModel(tok.convert_tokens_to_ids("z")),
         prompt_dataset(tok, 32, exclude="z"), tiny_value_model(len(tok), 1), placement=placement,
         eval_dataset=prompt_dataset(tok, eval_rows, seed=1) if eval_rows else None,
-        placement_timeout_s=timeout_s, **extra,
     )
     trainer.callback_handler.callbacks = [c for c in trainer.callback_handler.callbacks
                                           if type(c).__name__ != "PrinterCallback"]

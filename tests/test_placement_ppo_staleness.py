@@ -24,7 +24,8 @@ def _stale_run(rank: int, world_size: int, output_dir: str):
 
     torch.set_num_threads(1)
     # bucketed point-to-point weight sync (APP's transport) with small buckets, so several buckets travel
-    trainer = _build(output_dir, "disaggregated", iterations=ITERATIONS, max_staleness=1, weight_sync="bucketed_p2p")
+    trainer = _build(output_dir, "disaggregated", iterations=ITERATIONS, num_mini_batches=1, max_staleness=1,
+                     weight_sync="bucketed_p2p")
     trainer.executor.actor_sync.bucket_bytes = 64 * 1024
     trainer.train()
     kinds = [(e.phase, e.start, e.end) for e in trainer.timeline.events]
@@ -36,7 +37,8 @@ def _replay(output_dir: str, lag: int = 2):
     from test_placement_ppo_equivalence import _build, _params
 
     torch.set_num_threads(1)
-    ref = _build(output_dir, "colocated", per_device=8, iterations=ITERATIONS)  # world 1: global batch 8
+    # world 1: global batch 8 (one mini-batch: a single process shuffles its 8 rows as one shard)
+    ref = _build(output_dir, "colocated", per_device=8, iterations=ITERATIONS, num_mini_batches=1)
     weights = {0: copy.deepcopy(ref.model.state_dict())}
     for update in range(1, ITERATIONS + 1):
         current = copy.deepcopy(ref.model.state_dict())

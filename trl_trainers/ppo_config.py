@@ -149,6 +149,41 @@ class PPOConfig(TrainingArguments):
         },
     )
 
+    placement: str | None = field(
+        default=None,
+        metadata={
+            "help": "(trl_trainers extension) Where the four PPO models run (FlexRLHF placements): 'colocated' (every "
+            "model on every rank, TRL), 'interleaved' (reference and reward on disjoint owner halves), "
+            "'disaggregated' (training ranks and inference ranks with shadow models synced every iteration), or a "
+            "path to a .yaml/.json `hf_placement.PlacementPlan`. None: plain data-parallel PPO (no placement layer). "
+            "The `placement=` argument of PPOTrainer, when given, wins over this field."
+        },
+    )
+    placement_ratios: str | None = field(
+        default=None,
+        metadata={"help": "(trl_trainers extension) Interleaved only: share of the ranks owning each frozen model, "
+                  "e.g. 'ref=0.5,reward=0.5' (the default split)."},
+    )
+    rollout_replicas: int = field(
+        default=1,
+        metadata={"help": "(trl_trainers extension) Disaggregated only: number of shadow-actor generation replicas."},
+    )
+    placement_timeout_s: float = field(
+        default=300.0,
+        metadata={"help": "(trl_trainers extension) Timeout in seconds of every placement transfer (experience "
+                  "channels, owner dispatch, weight sync); a dead or stalled peer becomes an error naming it."},
+    )
+    weight_sync: Literal["broadcast", "bucketed_p2p"] = field(
+        default="broadcast",
+        metadata={"help": "(trl_trainers extension) Disaggregated trainer -> shadow weight transport: 'broadcast' "
+                  "or 'bucketed_p2p' (100 MB point-to-point buckets, as APP)."},
+    )
+    max_staleness: int = field(
+        default=0,
+        metadata={"help": "(trl_trainers extension) 0: synchronous PPO (all placements compute the same update). 1: "
+                  "disaggregated one-step off-policy mode, generating batch u+1 while batch u trains."},
+    )
+
     def __post_init__(self):
         # As in TRL: bf16 by default unless fp16 was asked for.
         self.bf16 = not self.fp16 if self.bf16 is None else self.bf16
@@ -194,5 +229,14 @@ class PPOConfig(TrainingArguments):
                 f"missing_eos_penalty={self.missing_eos_penalty} must be a positive value: it is subtracted from the "
                 "score of responses without EOS."
             )
+        if self.max_staleness not in (0, 1):
+            raise ValueError(f"max_staleness={self.max_staleness!r} is not supported: use 0 (synchronous PPO) or 1 "
+                             "(one-step off-policy, disaggregated placement only).")
+        if self.weight_sync not in ("broadcast", "bucketed_p2p"):
+            raise ValueError(f"weight_sync={self.weight_sync!r} is not supported: use 'broadcast' or 'bucketed_p2p'.")
+        if self.placement_timeout_s <= 0:
+            raise ValueError(f"placement_timeout_s={self.placement_timeout_s} must be positive (seconds).")
+        if self.rollout_replicas < 1:
+            raise ValueError(f"rollout_replicas={self.rollout_replicas} must be a positive integer.")
         if self.num_sample_generations < 0:
             raise ValueError(f"num_sample_generations={self.num_sample_generations} must be >= 0.")

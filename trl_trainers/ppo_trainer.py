@@ -148,6 +148,8 @@ class PPOTrainer:
         callbacks: list[TrainerCallback] | None = None,
         peft_config=None,
         group=None,
+        placement=None,
+        strict_equivalence: bool = False,
     ) -> None:
         if not isinstance(args, PPOConfig):
             raise TypeError(f"args must be a trl_trainers.PPOConfig, got {type(args).__name__}.")
@@ -219,6 +221,22 @@ class PPOTrainer:
 
         # Distributed set-up and batch arithmetic (TRL's names, filled into args).
         init_distributed_from_env(timeout_s=float(args.ddp_timeout))
+        # Placement (ours): resolve the plan, build its role groups and, for a disaggregated plan, move this rank's
+        # data-parallel collectives into its side's group with the batch scaled so the global batch is unchanged.
+        self.plan = self.executor = self.role_groups = None
+        self.gradient_reducer = None  # set by a placement that shards the trained models
+        self.shards_per_rank = 1  # co-located shards of the global batch this rank trains on
+        spec = placement if placement is not None else args.placement
+        if spec is not None:
+            if group is not None:
+                raise ValueError("`group` and `placement` are mutually exclusive: a placement builds its own process "
+                                 "groups. Drop `group` (it is for executors running PPOTrainer inside a sub-group).")
+            from .placement.trainer import prepare_placement
+
+            setup = prepare_placement(args, spec, strict_equivalence=strict_equivalence)
+            self.plan, self.role_groups, args = setup.plan, setup.role_groups, setup.args
+            group, self.shards_per_rank = setup.group, setup.shards_per_rank
+            self.args = args
         self.dist = DistContext(group)
         world = self.dist.world_size
         args.world_size = world
@@ -233,12 +251,19 @@ class PPOTrainer:
             args.local_batch_size, args.num_mini_batches, "local_batch_size (per_device_train_batch_size * "
             "gradient_accumulation_steps) must be a multiple of num_mini_batches",
             "Change num_mini_batches or the batch sizes.")
+        # Shards: the co-located local batch. A rank training several shards (a disaggregated trainer) cuts each one
+        # into mini-batch slices exactly as the co-located rank holding it would, so placements share mini-batches.
+        self.shard_size = args.local_batch_size // self.shards_per_rank
+        shard_mini = _exact_div(
+            self.shard_size, args.num_mini_batches, "the co-located local batch (per_device_train_batch_size * "
+            "gradient_accumulation_steps) must be a multiple of num_mini_batches",
+            "Change num_mini_batches or the batch sizes.")
         # Micro-batches: per_device_train_batch_size sequences, or the whole mini-batch when that is smaller (TRL).
-        self.micro_batch = min(args.per_device_train_batch_size, args.local_mini_batch_size)
-        self.accumulation_steps = _exact_div(
-            args.local_mini_batch_size, self.micro_batch,
-            "local_mini_batch_size (local_batch_size / num_mini_batches) must be a multiple of "
-            "per_device_train_batch_size", "Make gradient_accumulation_steps a multiple of num_mini_batches.")
+        self.micro_batch = min(args.per_device_train_batch_size, shard_mini)
+        _exact_div(shard_mini, self.micro_batch,
+                   "local_mini_batch_size (local_batch_size / num_mini_batches) must be a multiple of "
+                   "per_device_train_batch_size", "Make gradient_accumulation_steps a multiple of num_mini_batches.")
+        self.accumulation_steps = args.local_mini_batch_size // self.micro_batch
         if args.whiten_rewards and args.local_mini_batch_size < 8:
             raise ValueError(
                 f"whiten_rewards=True needs a per-rank mini-batch of at least 8 sequences, got "
@@ -313,6 +338,10 @@ class PPOTrainer:
         self.phase_history: list[dict[str, float]] = []  # the same, per iteration
         if args.should_save and is_zero:
             os.makedirs(args.output_dir, exist_ok=True)
+        if self.plan is not None:
+            from .placement.trainer import attach_placement
+
+            attach_placement(self, setup)
 
     # ------------------------------------------------------------------ inputs
     @staticmethod
@@ -522,11 +551,17 @@ class PPOTrainer:
                  for k in ("approxkl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio")}
         accum, micro = self.accumulation_steps, self.micro_batch
         self.model.train()
+        shards, shard, first_shard = self.shards_per_rank, self.shard_size, self.dist.rank * self.shards_per_rank
+        shard_mini = args.local_mini_batch_size // shards
         for epoch in range(args.num_ppo_epochs):
-            gen = torch.Generator().manual_seed(self._sample_seed(update, 0) * 31 + epoch * 7 + self.dist.rank)
-            order = torch.randperm(args.local_batch_size, generator=gen)
-            for mb, start in enumerate(range(0, args.local_batch_size, args.local_mini_batch_size)):
-                mini = order[start : start + args.local_mini_batch_size]
+            # One permutation per co-located shard keyed by its global index (= the rank holding it when co-located),
+            # so every placement forms the same global mini-batches from the same rows.
+            orders = []
+            for s in range(shards):
+                gen = torch.Generator().manual_seed(self._sample_seed(update, 0) * 31 + epoch * 7 + first_shard + s)
+                orders.append(torch.randperm(shard, generator=gen) + s * shard)
+            for mb in range(args.num_mini_batches):
+                mini = torch.cat([o[mb * shard_mini : (mb + 1) * shard_mini] for o in orders])
                 self.optimizer.zero_grad(set_to_none=True)
                 tok_norm = val_norm = None
                 if args.loss_normalization == "mini_batch":
@@ -565,13 +600,19 @@ class PPOTrainer:
                         stats["entropy"][at] = pm.entropy_from_logits(logits.detach()).mean()
                         stats["ratio"][at] = ratio.detach().mean()
                     del logits, vpred, loss
-                self.dist.average_gradients(self.trainable_params)
+                if self.gradient_reducer is not None:  # a sharded placement reduce-scatters into its slices
+                    self.gradient_reducer()
+                else:
+                    self.dist.average_gradients(self.trainable_params)
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
         return stats
 
     # ------------------------------------------------------------------ loop
-    def _metrics(self, exp: Experience, stats: dict[str, torch.Tensor], start_time: float) -> dict[str, float]:
+    def _metrics(self, exp: Experience | None, stats: dict[str, torch.Tensor] | None,
+                 start_time: float) -> dict[str, float]:
+        if exp is None:  # a disaggregated inference rank: it produced experience, the trainers report on it
+            return {"lr": self.lr_scheduler.get_last_lr()[0], "episode": self.state.episode}
         gather = self.dist.all_gather_cat
         mean_kl = exp.kl.sum(1).mean()
         mean_entropy = ((-exp.logprobs) * exp.token_mask.float()).sum(1).mean()
@@ -598,17 +639,55 @@ class PPOTrainer:
             "episode": self.state.episode,
         }
 
-    def training_iteration(self, update: int) -> tuple[Experience, dict[str, torch.Tensor]]:
-        """One full PPO iteration on this rank's share: generation, experience, training (timed per phase)."""
-        queries, seeds = self.local_batch(update)
-        t0 = time.perf_counter()
-        rollout = self.rollout(queries, seeds)
-        t1 = time.perf_counter()
-        exp = self.make_experience(rollout)
-        t2 = time.perf_counter()
-        stats = self.train_on_experience(exp, update)
-        t3 = time.perf_counter()
-        self.last_timings = {"generation": t1 - t0, "experience": t2 - t1, "training": t3 - t2}
+    # ------------------------------------------------------------------ placement views
+    def full_weights(self):
+        """Context in which every model holds its full weights (a no-op unless the placement shards models).
+        Collective under a sharded placement: call it on every rank."""
+        if self.executor is not None and hasattr(self.executor, "full_weights"):
+            return self.executor.full_weights()
+        return nullcontext()
+
+    @property
+    def timeline(self):
+        """This rank's `hf_placement.Timeline` under a placement (phases of every iteration so far), else ``None``."""
+        return None if self.executor is None else self.executor.timeline
+
+    def gather_timeline(self) -> list:
+        """Every rank's timeline, on every rank (collective over the world); needs a placement."""
+        if self.executor is None:
+            raise ValueError("gather_timeline() needs a placement: pass placement='colocated' (or another plan) to "
+                             "PPOTrainer to record per-rank timelines.")
+        from hf_placement import gather_timelines
+
+        return gather_timelines(self.timeline)
+
+    @property
+    def is_training_rank(self) -> bool:
+        """Whether this rank holds the optimizer and produces the update (all ranks unless disaggregated)."""
+        return True if self.executor is None else self.executor.is_trainer
+
+    def training_iteration(self, update: int) -> tuple[Experience | None, dict[str, torch.Tensor] | None]:
+        """One full PPO iteration on this rank's share: generation, experience, training (timed per phase).
+
+        Under a placement the executor schedules the phases on the ranks of the plan, and the per-phase seconds come
+        from this rank's timeline (which also has ``sync``, ``send:*`` and ``wait:*`` phases)."""
+        if self.executor is not None:
+            first = len(self.timeline.events)
+            exp, stats = self.executor.iteration(update)
+            timings: dict[str, float] = defaultdict(float)
+            for ev in self.timeline.events[first:]:
+                timings[ev.phase] += ev.duration
+            self.last_timings = dict(timings)
+        else:
+            queries, seeds = self.local_batch(update)
+            t0 = time.perf_counter()
+            rollout = self.rollout(queries, seeds)
+            t1 = time.perf_counter()
+            exp = self.make_experience(rollout)
+            t2 = time.perf_counter()
+            stats = self.train_on_experience(exp, update)
+            t3 = time.perf_counter()
+            self.last_timings = {"generation": t1 - t0, "experience": t2 - t1, "training": t3 - t2}
         self.phase_history.append(self.last_timings)
         for k, v in self.last_timings.items():
             self.timings[k] += v
@@ -652,6 +731,8 @@ class PPOTrainer:
                 self.generate_completions(sampling=True)
             if self.control.should_training_stop:
                 break
+        if self.executor is not None:
+            self.executor.finish(self.state.global_step + 1)
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         if self.control.should_save:
             self._save_checkpoint()
@@ -667,15 +748,22 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ completions
     def _completion_scores(self, queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
-        """Reward scores of eval completions (a placement may compute them on the reward model's owner ranks)."""
+        """Reward scores of eval completions (under interleaving, computed on the reward model's owner ranks)."""
+        if self.executor is not None and hasattr(self.executor, "completion_scores"):
+            return self.executor.completion_scores(queries, responses)
         return sequence_scores(self.reward_model, torch.cat([queries, responses], 1), self.pad_token_id,
                                queries.size(1)).float()
 
     @torch.no_grad()
     def generate_completions(self, sampling: bool = False) -> dict[str, list] | None:
         """Near-greedy completions (temperature 0.01) on the eval set, with reward scores; ``sampling=True`` stops
-        after the first batch. Returns the table (query, model response, score), gathered on every rank."""
+        after the first batch. Returns the table (query, model response, score), gathered on every rank.
+
+        Disaggregated placement: generated by the inference ranks with the shadow policy (the weights of the last
+        sync), ``None`` on training ranks."""
         if self.eval_dataset is None:
+            return None
+        if self.executor is not None and not getattr(self.executor, "serves_completions", True):
             return None
         batch = self.args.per_device_eval_batch_size
         table: dict[str, list] = defaultdict(list)
@@ -710,10 +798,11 @@ class PPOTrainer:
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Save the policy only (adapter only with PEFT) plus the tokenizer, as safetensors, on rank 0."""
         output_dir = output_dir or self.args.output_dir
-        if self.dist.rank != 0:
-            return
-        os.makedirs(output_dir, exist_ok=True)
-        self.model.policy.save_pretrained(output_dir, safe_serialization=True)
+        with self.full_weights():
+            if self.dist.rank != 0:
+                return
+            os.makedirs(output_dir, exist_ok=True)
+            self.model.policy.save_pretrained(output_dir, safe_serialization=True)
         if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
             self.processing_class.save_pretrained(output_dir)
         torch.save(self.args.to_dict(), os.path.join(output_dir, "training_args.bin"))
@@ -736,9 +825,18 @@ class PPOTrainer:
         """``checkpoint-<step>/``: policy (loadable with from_pretrained), value model, the joint training state
         (safetensors), optimizer, scheduler and trainer state. Trainer randomness is keyed by the iteration, so no RNG
         state is needed for an exact resume."""
-        from safetensors.torch import save_model as save_safetensors
 
         path = os.path.join(self.args.output_dir, f"{CHECKPOINT_PREFIX}-{self.state.global_step}")
+        if not self.is_training_rank:  # disaggregated shadows are refreshed from the trainer; nothing of their own
+            return path
+        with self.full_weights():
+            self._write_checkpoint(path)
+        self.dist.barrier()
+        return path
+
+    def _write_checkpoint(self, path: str) -> None:
+        from safetensors.torch import save_model as save_safetensors
+
         if self.dist.rank == 0:
             self.save_model(path)
             save_safetensors(self.model, os.path.join(path, _TRAINING_STATE))
@@ -751,8 +849,6 @@ class PPOTrainer:
                     self.state.stateful_callbacks[cb.__class__.__name__] = cb.state()
             self.state.save_to_json(os.path.join(path, "trainer_state.json"))
             self._rotate_checkpoints()
-        self.dist.barrier()
-        return path
 
     def _checkpoints(self) -> list[str]:
         out = self.args.output_dir
@@ -780,6 +876,9 @@ class PPOTrainer:
     def _load_checkpoint(self, path: str) -> None:
         from safetensors.torch import load_model as load_safetensors
 
+        if self.plan is not None and self.plan.sharded_roles:
+            raise ValueError(f"resuming under a plan with sharded roles {self.plan.sharded_roles} is not supported "
+                             "(the checkpoint holds rank 0's optimizer slice only); resume with an unsharded plan.")
         state_file = os.path.join(path, _TRAINING_STATE)
         if not os.path.isfile(state_file):
             raise ValueError(f"{path!r} is not a PPOTrainer checkpoint (no {_TRAINING_STATE}).")

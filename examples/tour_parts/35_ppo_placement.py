@@ -5,14 +5,16 @@ from __future__ import annotations
 import tempfile
 
 COMPONENT = "trl_trainers.placement"
-DESCRIPTION = "2 gloo ranks: colocated vs disaggregated PPO (2 iterations), same parameters, bit-exact shadows"
+DESCRIPTION = (
+    "2 gloo ranks: PPOTrainer(placement=...) colocated vs disaggregated (2 iterations, 2 mini-batches), same "
+    "parameters, bit-exact shadows"
+)
 
 
 def _run(rank: int, world: int, output_dir: str) -> dict:
     import torch
 
-    from trl_trainers import PPOConfig
-    from trl_trainers.placement import PlacedPPOTrainer
+    from trl_trainers import PPOConfig, PPOTrainer
     from trl_trainers.testing import (
         TargetTokenRewardModel,
         char_tokenizer,
@@ -30,11 +32,11 @@ def _run(rank: int, world: int, output_dir: str) -> dict:
             response_length=6, learning_rate=3e-3, total_episodes=4 * world * 2, bf16=False, report_to="none",
             disable_tqdm=True, temperature=1.0, num_sample_generations=0, save_strategy="no",
             gradient_checkpointing=False, seed=5, stop_token="eos", loss_normalization="mini_batch",
+            num_mini_batches=2, placement_timeout_s=120,
         )
-        trainer = PlacedPPOTrainer(
+        trainer = PPOTrainer(
             args, tok, tiny_causal_lm(len(tok), 0), None, TargetTokenRewardModel(tok.convert_tokens_to_ids("z")),
             prompt_dataset(tok, 16, exclude="z"), tiny_value_model(len(tok), 1), placement=placement,
-            placement_timeout_s=120,
         )
         trainer.callback_handler.callbacks = [c for c in trainer.callback_handler.callbacks
                                               if type(c).__name__ != "PrinterCallback"]

@@ -50,7 +50,7 @@ from ._experience import (
 )
 
 if TYPE_CHECKING:
-    from .trainer import PlacedPPOTrainer
+    from ..ppo_trainer import PPOTrainer
 
 __all__ = ["ColocatedExecutor", "DisaggregatedExecutor", "InterleavedExecutor", "PlacementError", "make_executor"]
 
@@ -75,7 +75,7 @@ class PlacementError(RuntimeError):
 class _Executor:
     strategy = "base"
 
-    def __init__(self, trainer: PlacedPPOTrainer, plan: PlacementPlan, timeout_s: float):
+    def __init__(self, trainer: PPOTrainer, plan: PlacementPlan, timeout_s: float):
         self.trainer, self.plan, self.timeout_s = trainer, plan, float(timeout_s)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.timeline = Timeline(self.rank)
@@ -121,7 +121,7 @@ class InterleavedExecutor(_Executor):
 
     strategy = "interleaved"
 
-    def __init__(self, trainer: PlacedPPOTrainer, plan: PlacementPlan, timeout_s: float):
+    def __init__(self, trainer: PPOTrainer, plan: PlacementPlan, timeout_s: float):
         super().__init__(trainer, plan, timeout_s)
         data = list(range(plan.world_size))
         self.ref_handle = RoleHandle(plan, "ref", data_ranks=data, timeout_s=timeout_s, timeline=self.timeline)
@@ -138,6 +138,10 @@ class InterleavedExecutor(_Executor):
         except ChannelError as exc:
             raise PlacementError(f"rank {self.rank}: interleaved ref/reward dispatch failed with peer rank "
                                  f"{exc.peer} (owner or partner of channel '{exc.channel}'): {exc}") from exc
+
+    def completion_scores(self, queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
+        """Reward scores of eval completions: only the reward owners hold the reward model."""
+        return self.reward_handle.call(self._reward_fn, {"queries": queries, "responses": responses})
 
     def iteration(self, update: int) -> tuple[Experience, dict[str, torch.Tensor]]:
         t = self.trainer
@@ -169,7 +173,7 @@ class DisaggregatedExecutor(_Executor):
 
     strategy = "disaggregated"
 
-    def __init__(self, trainer: PlacedPPOTrainer, plan: PlacementPlan, timeout_s: float, role_groups: Any,
+    def __init__(self, trainer: PPOTrainer, plan: PlacementPlan, timeout_s: float, role_groups: Any,
                  weight_sync: str = "broadcast", bucket_bytes: int = 100 * 2**20, max_staleness: int = 0):
         super().__init__(trainer, plan, timeout_s)
         if max_staleness not in (0, 1):
@@ -180,7 +184,7 @@ class DisaggregatedExecutor(_Executor):
         self.infer_ranks = sorted(plan.roles["rollout"])
         self.world = plan.world_size
         self.per_trainer = self.world // len(self.train_ranks)
-        self.shard_size = trainer.placement_local_batch
+        self.shard_size = trainer.shard_size
         is_peft = trainer.is_peft_model
         src = self.train_ranks[0]
         policy = trainer.model.policy if (self.rank == src or self.is_inference) else None
@@ -201,6 +205,11 @@ class DisaggregatedExecutor(_Executor):
     @property
     def is_inference(self) -> bool:
         return self.rank in self.infer_ranks
+
+    @property
+    def serves_completions(self) -> bool:
+        """Eval completions come from the shadow policy on the inference ranks; trainers return none."""
+        return self.is_inference
 
     # ---------------------------------------------------------------- routing
     def generator_of(self, shard: int) -> int:
@@ -319,7 +328,7 @@ class DisaggregatedExecutor(_Executor):
         self._sync(update)
 
 
-def make_executor(trainer: PlacedPPOTrainer, plan: PlacementPlan, timeout_s: float, role_groups: Any = None,
+def make_executor(trainer: PPOTrainer, plan: PlacementPlan, timeout_s: float, role_groups: Any = None,
                   weight_sync: str = "broadcast", max_staleness: int = 0) -> _Executor:
     """The executor for ``plan``: colocated when every role is on every rank, disaggregated when shadow roles exist,
     interleaved otherwise (ref/reward on owner subsets, actor/critic on all ranks)."""
