@@ -4,6 +4,9 @@
   weights with bf16/fp16 compute, gradient clipping, sharded and consolidated checkpoints, byte counters.
 - `hierarchical_all_gather` / `hierarchical_reduce_scatter` / `hierarchical_all_reduce`: PaRO-CC on their own.
 - `advise`: the guideline (``python -m paro_zero_backend advise --help``).
+- PaRO-CC inside the engines users already run: `enable_paro_cc` (FSDP2 ``fully_shard`` modules),
+  `deepspeed_paro_cc` (DeepSpeed ZeRO's all-gather / reduce-scatter), and `deepspeed_initialize` for a DeepSpeed JSON
+  with a ``"paro"`` section (PaRO-CC inside ZeRO, or the whole job on `ParoEngine` with ``"strategy"``).
 """
 
 from .collectives import (
@@ -19,22 +22,34 @@ from .collectives import (
 )
 from .config import ParoConfig
 from .cost_model import GuidelineInputs, GuidelineRow, GuidelineTable, advise, memory_bytes, traffic
+from .deepspeed_cc import DeepSpeedParoCC, UnsupportedDeepSpeedError, deepspeed_paro_cc
+from .ds_config import DeepSpeedStyleEngine, ParoSection, paro_config_from_deepspeed
+from .ds_config import initialize as deepspeed_initialize
 from .engine import ParoEngine
+from .fsdp2_cc import ParoCCHandle, enable_paro_cc
 from .strategies import KNOWN_EQUIVALENTS, VALID_STRATEGIES, Level, Strategy, parse_strategy
 
 __all__ = [
     "CollectiveResult",
     "CommCounter",
+    "DeepSpeedParoCC",
+    "DeepSpeedStyleEngine",
     "GuidelineInputs",
     "GuidelineRow",
     "GuidelineTable",
     "KNOWN_EQUIVALENTS",
     "Level",
+    "ParoCCHandle",
     "ParoConfig",
     "ParoEngine",
+    "ParoSection",
     "Strategy",
     "VALID_STRATEGIES",
+    "UnsupportedDeepSpeedError",
     "advise",
+    "deepspeed_initialize",
+    "deepspeed_paro_cc",
+    "enable_paro_cc",
     "flat_all_gather",
     "flat_all_reduce",
     "flat_reduce_scatter",
@@ -43,6 +58,7 @@ __all__ = [
     "hierarchical_all_reduce",
     "hierarchical_reduce_scatter",
     "memory_bytes",
+    "paro_config_from_deepspeed",
     "parse_strategy",
     "traffic",
 ]

@@ -246,8 +246,18 @@ def _run(topology, hierarchical: bool, counter: CommCounter | None, fn):
     return _result(out, local, dict.fromkeys(LINKS, 0), counter)
 
 
+def _write_out(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """Copy a flat result into a caller-provided buffer (the shape engines such as FSDP2/DeepSpeed hand us)."""
+    if out is None:
+        return result
+    if out.numel() != result.numel():
+        raise ValueError(f"output buffer has {out.numel()} elements, the collective produces {result.numel()}.")
+    out.view(-1).copy_(result)
+    return out
+
+
 def hierarchical_all_gather(x: torch.Tensor, topology, *, order: str = "rank",
-                            counter: CommCounter | None = None) -> CollectiveResult:
+                            counter: CommCounter | None = None, out: torch.Tensor | None = None) -> CollectiveResult:
     """PaRO-CC all-gather: AG_E then AG_I. Returns the ``n * x.numel()`` flat result and the bytes sent.
 
     Args:
@@ -255,12 +265,22 @@ def hierarchical_all_gather(x: torch.Tensor, topology, *, order: str = "rank",
         topology (`hf_placement.Topology`): from `hf_placement.build_topology`.
         order (`str`, *optional*, defaults to `"rank"`): block order of the output (`"rank"` or `"device"`).
         counter (`CommCounter`, *optional*): also add the bytes to this counter.
+        out (`torch.Tensor`, *optional*): contiguous buffer of ``n * x.numel()`` elements to write the result into
+            (the calling convention of ``dist.all_gather_into_tensor``); returned as the output.
     """
     _check_order(order)
 
     def fn(comm: _Comm) -> torch.Tensor:
-        out = comm.ag_global(x.reshape(-1))
-        return out if order == "device" or comm.identity_perm else device_to_rank_order(out, comm.n, comm.m)
+        res = comm.ag_global(x.reshape(-1))
+        if order == "rank" and not comm.identity_perm:
+            if out is not None:  # reorder straight into the caller's buffer: one copy instead of two
+                if out.numel() != res.numel():
+                    raise ValueError(f"output buffer has {out.numel()} elements, the all-gather produces "
+                                     f"{res.numel()}.")
+                out.view(comm.ng, comm.m, -1).copy_(res.view(comm.m, comm.ng, -1).transpose(0, 1))
+                return out
+            res = device_to_rank_order(res, comm.n, comm.m)
+        return _write_out(res, out)
 
     return _run(topology, True, counter, fn)
 
@@ -285,9 +305,13 @@ def _check_divisible(x: torch.Tensor, n: int) -> None:
                          "it (e.g. torch.nn.functional.pad) so every rank gets an equal block.")
 
 
-def hierarchical_reduce_scatter(x: torch.Tensor, topology, *, order: str = "rank",
-                                counter: CommCounter | None = None) -> CollectiveResult:
-    """PaRO-CC reduce-scatter (sum): RS_I then RS_E. Returns this rank's block of the summed ``x``."""
+def hierarchical_reduce_scatter(x: torch.Tensor, topology, *, order: str = "rank", counter: CommCounter | None = None,
+                                out: torch.Tensor | None = None) -> CollectiveResult:
+    """PaRO-CC reduce-scatter (sum): RS_I then RS_E. Returns this rank's block of the summed ``x``.
+
+    ``out`` (optional): buffer of ``x.numel() / n`` elements to write the block into (the calling convention of
+    ``dist.reduce_scatter_tensor``); returned as the output.
+    """
     _check_order(order)
     _check_divisible(x, topology.world_size)
 
@@ -295,7 +319,7 @@ def hierarchical_reduce_scatter(x: torch.Tensor, topology, *, order: str = "rank
         flat = x.reshape(-1)
         if order == "rank" and not comm.identity_perm:
             flat = rank_to_device_order(flat, comm.n, comm.m)
-        return comm.rs_global(flat)
+        return _write_out(comm.rs_global(flat), out)
 
     return _run(topology, True, counter, fn)
 
