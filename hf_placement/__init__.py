@@ -27,6 +27,7 @@ from .dispatch import RoleCall, RoleHandle, run_concurrently
 from .groups import RoleGroups, build_role_groups
 from .memory import BYTES_PER_PARAM, MemoryReport, MemoryVerdict, ModelSizes, model_state_bytes, shard_verdict
 from .plan import BASE_ROLES, ROLES, SHADOW_ROLES, STRATEGIES, TRAINED_ROLES, PlacementPlan
+from .sharding import ShardedModule, resident_bytes
 from .testing import RankError, RankTimeoutError, find_free_port, run_distributed
 from .timeline import (
     PhaseEvent,
@@ -65,6 +66,7 @@ __all__ = [
     "RoleHandle",
     "SHADOW_ROLES",
     "STRATEGIES",
+    "ShardedModule",
     "SyncStats",
     "TRAINED_ROLES",
     "Timeline",
@@ -86,6 +88,7 @@ __all__ = [
     "rank_plans",
     "run_concurrently",
     "run_distributed",
+    "resident_bytes",
     "select_tensors",
     "shard_verdict",
     "summarize_timelines",

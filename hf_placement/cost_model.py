@@ -65,8 +65,15 @@ class Workload:
     lora_fraction: float | None = field(default=None, metadata={"help": "Adapter params / model params with LoRA."})
     train_flops_factor: float = field(default=6.0, metadata={"help": "FLOPs per param per token in training (6, "
                                                                      "or 8 with activation recomputation)."})
+    max_staleness: int | None = field(default=None, metadata={
+        "help": "Disaggregated schedule: None = APP's micro-batch pipeline (generation of micro-batch i+1 overlaps "
+                "training of i); 0 = synchronous PPO with whole-batch advantage whitening (trl_trainers' executor: "
+                "the trainers start when the whole batch has arrived, no overlap); 1 = one-step off-policy (the "
+                "next batch is generated while this one trains)."})
 
     def __post_init__(self) -> None:
+        if self.max_staleness not in (None, 0, 1):
+            raise ValueError(f"Workload.max_staleness={self.max_staleness!r} must be None (pipelined), 0 or 1.")
         for name in ("batch_size", "prompt_len", "response_len", "ppo_epochs", "micro_batches"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -109,6 +116,10 @@ class Hardware:
     call_overhead_s: float = field(default=5e-3, metadata={"help": "Fixed cost per model call / decode step (o)."})
     precision: str = field(default="fp32", metadata={"help": "'fp32' (CPU) or 'bf16' (GPU mixed precision)."})
     name: str = field(default="custom", metadata={"help": "Label of the constant set."})
+    parallel_efficiency: float = field(default=1.0, metadata={
+        "help": "Throughput of all devices computing at once / (devices x one alone), as measured by "
+                "hf_placement.calibrate.parallel_efficiency: 1 for GPUs; below 1 on a shared or oversubscribed CPU, "
+                "where phases that keep every device busy run 1/efficiency slower."})
 
     def __post_init__(self) -> None:
         if not isinstance(self.devices, int) or self.devices < 1:
@@ -118,6 +129,9 @@ class Hardware:
                 raise ValueError(f"Hardware.{f}={getattr(self, f)!r} must be positive.")
         if self.memory_cap_bytes is not None and not self.memory_cap_bytes > 0:
             raise ValueError(f"Hardware.memory_cap_bytes={self.memory_cap_bytes!r} must be positive (or None).")
+        if not 0 < self.parallel_efficiency <= 1.5:
+            raise ValueError(f"Hardware.parallel_efficiency={self.parallel_efficiency!r} must be in (0, 1.5] "
+                             "(measured concurrent / ideal throughput).")
         if self.precision not in ("fp32", "bf16"):
             raise ValueError(f"Hardware.precision={self.precision!r} must be 'fp32' or 'bf16'.")
 
@@ -279,6 +293,11 @@ def estimate(plan: PlacementPlan, workload: Workload, hardware: Hardware, calibr
                          "plan for the hardware's device count.")
     c = _Costs(workload, hardware, calibration)
     w, S, K = workload, float(workload.batch_size), workload.micro_batches
+    # Phases during which every device computes at once pay the machine's parallel efficiency (CPU contention); the
+    # synchronous disaggregated schedule alternates between its sides instead.
+    if hardware.devices > 1 and not (plan.is_disaggregated and w.max_staleness == 0):
+        for k in c.scale:
+            c.scale[k] /= hardware.parallel_efficiency
     sharded = set(plan.sharded_roles)
     phases: dict[str, float] = {}
     if not plan.is_disaggregated:
@@ -338,10 +357,15 @@ def estimate(plan: PlacementPlan, workload: Workload, hardware: Hardware, calibr
         sync = c.p2p(sync_bytes, sorted(set(trainers) | set(infer)))
         experience = c.p2p(S * (w.prompt_len + w.response_len) * (8 + 3 * 4), sorted(set(trainers) | set(infer)))
         a = gen + inf
-        b1 = train / w.ppo_epochs
-        overlapped = max(a, b1) + min(a, b1) / K
         phases.update({"generate": gen, "inference": inf, "train": train, "sync": sync + experience})
-        total = overlapped + (train - b1) + sync + experience
+        if w.max_staleness == 0:
+            total = a + experience + train + sync
+        elif w.max_staleness == 1:
+            total = max(a + experience, train) + sync
+        else:
+            b1 = train / w.ppo_epochs
+            overlapped = max(a, b1) + min(a, b1) / K
+            total = overlapped + (train - b1) + sync + experience
     report = model_state_bytes(plan, workload.sizes, hardware.precision)
     mem = {r: report.rank_bytes(r) for r in report.per_rank}
     cap = hardware.memory_cap_bytes

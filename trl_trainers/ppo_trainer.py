@@ -300,6 +300,7 @@ class PPOTrainer:
         self.trainable_params = [p for p in self.model.parameters() if p.requires_grad]
 
         self.optimizer, self.lr_scheduler = optimizers
+        self._user_optimizer = self.optimizer is not None
         if self.optimizer is None:
             self.optimizer = torch.optim.AdamW(
                 self.trainable_params,

@@ -31,13 +31,23 @@ batch ``u``; PPO's importance ratio against the sampler's log-probs corrects for
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from transformers.utils import logging
 
-from hf_placement import Channel, ChannelError, PlacementPlan, RoleCall, RoleHandle, Timeline, WeightSync
+from hf_placement import (
+    Channel,
+    ChannelError,
+    PlacementPlan,
+    RoleCall,
+    RoleHandle,
+    ShardedModule,
+    Timeline,
+    WeightSync,
+)
 from hf_placement import run_concurrently as _run_concurrently
 
 from ..ppo_trainer import Experience
@@ -97,14 +107,95 @@ class _Executor:
 
 
 class ColocatedExecutor(_Executor):
-    """Every role on every rank; each rank runs generation, experience and training on its shard (TRL's PPO)."""
+    """Every role on every rank; each rank runs generation, experience and training on its shard (TRL's PPO).
+
+    With ``plan.sharded_roles`` (``PlacementPlan.colocated(world, sharded=True)``: what All-colocated must do when the
+    four models do not fit a device) those models are ZeRO-3-sharded over all ranks with `hf_placement.ShardedModule`:
+    every forward all-gathers the weights (and every backward again), gradients are reduce-scattered into each rank's
+    slice and the optimizer steps only the slices. Generation gathers the actor once for the whole rollout (TRL's
+    ``ds3_gather_for_generation``). The update equals the unsharded one up to fp32 round-off.
+    """
 
     strategy = "colocated"
+
+    def __init__(self, trainer: PPOTrainer, plan: PlacementPlan, timeout_s: float):
+        super().__init__(trainer, plan, timeout_s)
+        self.units: dict[str, list[ShardedModule]] = {}
+        if plan.sharded_roles and plan.world_size > 1:
+            self._shard(trainer, list(plan.sharded_roles), timeout_s)
+
+    def _shard(self, t: PPOTrainer, roles: list[str], timeout_s: float) -> None:
+        if t.is_peft_model:
+            raise ValueError("sharded roles with a PEFT (LoRA) policy are not supported: the adapter-disabled policy "
+                             "serves as reference. Use an unsharded plan with LoRA.")
+        if set(roles) & {"actor", "critic"} != {"actor", "critic"} and set(roles) & {"actor", "critic"}:
+            raise ValueError(f"sharded_roles={roles}: actor and critic share one optimizer here, so shard both or "
+                             "neither.")
+
+        def seq_cls_units(model: torch.nn.Module, trainable: bool) -> list[ShardedModule]:
+            # backbone and score head are called separately (score_head_outputs), so each is its own unit; a
+            # rule-based model without parameters has nothing to shard
+            parts = (getattr(model, model.base_model_prefix), model.score)
+            return [ShardedModule(m, None, timeout_s, trainable=trainable) for m in parts
+                    if next(m.parameters(), None) is not None]
+
+        for role in roles:  # same order on every rank: the plan's role order
+            if role == "actor":
+                self.units[role] = [ShardedModule(t.model.policy, None, timeout_s, trainable=True)]
+            elif role == "critic":
+                self.units[role] = seq_cls_units(t.model.value_model, True)
+            elif role == "ref" and t.ref_model is not None:
+                self.units[role] = [ShardedModule(t.ref_model, None, timeout_s)]
+            elif role == "reward":
+                self.units[role] = seq_cls_units(t.reward_model, False)
+        trained = [u for role in ("actor", "critic") for u in self.units.get(role, [])]
+        if trained:
+            # The optimizer now owns this rank's slices only (same hyper-parameters, fresh schedule).
+            from transformers import get_scheduler
+
+            args = t.args
+            if t._user_optimizer:
+                raise ValueError("a custom optimizer cannot be combined with sharded roles (it holds the full "
+                                 "parameters); let PPOTrainer build AdamW, which then steps each rank's slice.")
+            t.optimizer = torch.optim.AdamW([u.shard for u in trained], lr=args.learning_rate,
+                                            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+                                            weight_decay=args.weight_decay)
+            t.lr_scheduler = get_scheduler(
+                args.lr_scheduler_type, t.optimizer, num_warmup_steps=args.get_warmup_steps(args.num_total_batches),
+                num_training_steps=args.num_total_batches, scheduler_specific_kwargs=args.lr_scheduler_kwargs or None)
+            t.callback_handler.optimizer, t.callback_handler.lr_scheduler = t.optimizer, t.lr_scheduler
+            t.trainable_params = [u.shard for u in trained]
+
+            def reduce() -> None:
+                with self.timeline.phase("reduce_scatter"):
+                    for u in trained:
+                        u.reduce_gradients()
+
+            t.gradient_reducer = reduce
+
+    @property
+    def sharded_units(self) -> list[ShardedModule]:
+        return [u for units in self.units.values() for u in units]
+
+    def bytes_gathered(self) -> int:
+        """Parameter all-gather traffic received by this rank so far (0 when nothing is sharded)."""
+        return sum(u.bytes_gathered for u in self.sharded_units)
+
+    @contextmanager
+    def full_weights(self):
+        """Every sharded model holds its full weights inside the block (collective)."""
+        with ExitStack() as stack:
+            for u in self.sharded_units:
+                stack.enter_context(u.gathered())
+            yield
 
     def iteration(self, update: int) -> tuple[Experience, dict[str, torch.Tensor]]:
         t = self.trainer
         queries, seeds = t.local_batch(update)
-        with self.timeline.phase("generation"):
+        actor = self.units.get("actor", [])
+        with self.timeline.phase("generation"), ExitStack() as stack:
+            for u in actor:  # one gather for the whole generation, not one per decode step
+                stack.enter_context(u.gathered())
             rollout = t.rollout(queries, seeds)
         with self.timeline.phase("experience"):
             exp = t.make_experience(rollout)
@@ -335,6 +426,12 @@ def make_executor(trainer: PPOTrainer, plan: PlacementPlan, timeout_s: float, ro
     if plan.is_disaggregated:
         return DisaggregatedExecutor(trainer, plan, timeout_s, role_groups, weight_sync=weight_sync,
                                      max_staleness=max_staleness)
+    if plan.sharded_roles and plan.world_size > 1 and not all(
+            sorted(plan.roles[r]) == list(range(plan.world_size)) for r in ("actor", "critic", "ref", "reward")):
+        raise ValueError(f"sharded_roles={plan.sharded_roles} in a {plan.strategy} plan: this PPO runs sharded models "
+                         "only in the colocated executor (All-colocated under a memory cap); interleaved and "
+                         "disaggregated plans keep their models whole. Drop sharded_roles or use "
+                         "PlacementPlan.colocated(world, sharded=True).")
     if max_staleness:
         raise ValueError(f"max_staleness={max_staleness} needs a disaggregated plan (generation on other ranks than "
                          f"training); this {plan.strategy} plan generates and trains on the same ranks. Use 0.")
