@@ -93,6 +93,7 @@ class Decision:
     snapshot_put: tuple[int, dict] | None = None
     snapshot_drop: list[int] = field(default_factory=list)
     reply_cache: tuple[int, str] | None = None
+    cached_reply: dict[str, Any] | None = None  # what `reply_cache` stores when it is not the whole reply
 
     @property
     def mutates(self) -> bool:
@@ -213,7 +214,33 @@ def decide(st: JobState, req: dict, now: float) -> Decision:
     op = req.get("op")
     if op not in OPS:
         raise BadRequestError(f"unknown op {op!r}; valid ops are {list(OPS)}.")
+    if op == "ack" and req.get("lease") is not None:
+        return _ack_then_lease(st, req, now)
     return _HANDLERS[op](st, req, now)
+
+
+def _ack_then_lease(st: JobState, req: dict, now: float) -> Decision:
+    """``ack`` with a piggybacked ``lease`` (``req["lease"] = {request_id, min_samples, max_shards}``): one round trip
+    and one commit per step for a rank that also refills its prefetch buffer. The lease is decided on the state the
+    ack leaves; a refused ack refuses the whole request (nothing changes). The lease part keeps its own request id,
+    so a retried request replays the same leases (and the ack part is idempotent by its absolute offsets)."""
+    sub = req["lease"]
+    if not isinstance(sub, dict):
+        raise BadRequestError("field 'lease' must be an object {request_id, min_samples, max_shards}.")
+    first = _ack(st, {k: v for k, v in req.items() if k != "lease"}, now)
+    view = dataclasses.replace(st, shards=dict(st.shards), replies=st.replies)
+    apply(view, first)
+    second = _lease(view, {**sub, "op": "lease", "rank": req.get("rank"), "incarnation": req.get("incarnation")},
+                    now)
+    merged = {s.key: s for s in first.shards}
+    merged.update({s.key: s for s in second.shards})
+    d = Decision(reply={**first.reply, "lease": second.reply}, shards=list(merged.values()),
+                 replace_shards=second.replace_shards, meta={**first.meta, **second.meta},
+                 reply_cache=second.reply_cache, cached_reply=second.reply if second.reply_cache else None)
+    if d.replace_shards:
+        # The lease opened a new epoch: its shard list is the whole table, built on top of the ack's changes.
+        d.shards = list(second.shards)
+    return d
 
 
 def _register(st: JobState, req: dict, now: float) -> Decision:
@@ -254,6 +281,8 @@ def _lease(st: JobState, req: dict, now: float) -> Decision:
     req_id = req.get("request_id")
     if not isinstance(req_id, str) or not 0 < len(req_id) <= 64:
         raise BadRequestError("field 'request_id' must be a string of 1..64 characters (it makes retries safe).")
+    min_samples = _int(req, "min_samples", 1, 1 << 30, default=1)
+    max_shards = _int(req, "max_shards", 1, 64, default=1)
     cached = st.replies.get((rank, req_id))
     if cached is not None:
         return Decision(reply=cached)
@@ -275,13 +304,23 @@ def _lease(st: JobState, req: dict, now: float) -> Decision:
         d.meta["epoch"] = epoch
         todo = sorted(fresh, key=lambda s: s.order)
     if todo:
-        head = _view(st, changed, todo[0].key)
-        seq = st.lease_seq + 1
-        leased = dataclasses.replace(head, state=DOING, owner=rank, incarnation=inc, token=seq,
-                                     deadline=now + st.job.lease_ttl_s)
-        changed[leased.key] = leased
+        # One request may lease several shards (up to `max_shards`, until `min_samples` unconsumed samples are
+        # held): a rank refilling its prefetch buffer pays one round trip and one fsync instead of one per shard.
+        seq = st.lease_seq
+        got: list[Shard] = []
+        samples = 0
+        for t in todo[:max_shards]:
+            head = _view(st, changed, t.key)
+            seq += 1
+            leased = dataclasses.replace(head, state=DOING, owner=rank, incarnation=inc, token=seq,
+                                         deadline=now + st.job.lease_ttl_s)
+            changed[leased.key] = leased
+            got.append(leased)
+            samples += leased.size - leased.acked
+            if samples >= min_samples:
+                break
         d.meta["lease_seq"] = seq
-        d.reply = {"status": "shard", "shard": _shard_reply(leased)}
+        d.reply = {"status": "shard", "shard": _shard_reply(got[0]), "shards": [_shard_reply(g) for g in got]}
     else:
         # Drained: nothing left to lease in the last epoch. Only a lease that expires or is released can bring
         # work back; `others` says whether anybody but the caller still holds leases.
@@ -314,6 +353,13 @@ def _ack(st: JobState, req: dict, now: float) -> Decision:
         done = offset == s.size
         updates[key] = dataclasses.replace(s, acked=offset, state=DONE if done else DOING,
                                            deadline=s.deadline if done else now + st.job.lease_ttl_s)
+    # Heartbeat piggyback: an accepted ack proves the worker alive, so it renews every other lease this
+    # (rank, incarnation) holds. Only live DOING leases of the caller are touched (expired ones went back to TODO
+    # above), so fencing is unchanged: a stalled or stale worker sends no accepted ack and its leases still expire.
+    for k in st.shards:
+        cur = updates.get(k) or _view(st, changed, k)
+        if cur.state == DOING and cur.owner == rank and cur.incarnation == inc and k not in updates:
+            updates[k] = dataclasses.replace(cur, deadline=now + st.job.lease_ttl_s)
     d = Decision(reply={}, shards=list({**changed, **updates}.values()))
     metrics = req.get("metrics")
     control = st.control
@@ -442,7 +488,7 @@ def apply(st: JobState, d: Decision) -> None:
     for k in d.snapshot_drop:
         st.snapshots.pop(k, None)
     if d.reply_cache is not None:
-        st.replies[d.reply_cache] = d.reply
+        st.replies[d.reply_cache] = d.cached_reply if d.cached_reply is not None else d.reply
         while len(st.replies) > _REPLY_CACHE * st.job.world_size:
             st.replies.pop(next(iter(st.replies)))
 

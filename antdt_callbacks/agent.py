@@ -84,8 +84,18 @@ class AntDTAgent(TrainerCallback, ExportableState):
                     return
                 items, metrics = job
                 if self._error is None:
-                    reply = self.dataset.client.ack(items, metrics)
+                    # One round trip per step: the ack carries the metrics, renews this worker's leases, and
+                    # refills the prefetch buffer when it runs low (the prefetch thread is only the fallback).
+                    lease = self.dataset.lease_request()
+                    try:
+                        reply = self.dataset.client.ack(items, metrics, lease=lease)
+                    except BaseException:
+                        if lease is not None:
+                            self.dataset.accept_lease(None)
+                        raise
                     self.dataset.mark_acked(items)
+                    if lease is not None:
+                        self.dataset.accept_lease(reply.get("lease"))
                     if self.dataset.apply_plan(Plan.from_dict(reply["plan"])):
                         self.plan_version = self.dataset.plan_version
                         logger.info("antdt rank %d: plan v%d -> batch size %d", self.dataset.rank,
@@ -132,14 +142,17 @@ class AntDTAgent(TrainerCallback, ExportableState):
         if meta is None:
             raise AntDTError("no AntDT batch metadata for this step: the Trainer must be an AntDTTrainerMixin.")
         ds.current_meta = None
+        ds.settle(meta)  # is this the last batch on every rank? (finishes the lookahead's all-reduce)
         metrics = None
         if meta.local_samples > 0 and meta.compute_s > 0:
             metrics = {"step": int(state.global_step), "samples": meta.local_samples, "compute_s": meta.compute_s}
         self._queue.put((meta.ack_items, metrics))
         step_s = t0 - self._last_end if self._last_end is not None else 0.0
-        self.history.append({"step": int(state.global_step), "batch_size": meta.local_samples,
-                             "global_batch": meta.global_samples, "compute_s": meta.compute_s, "step_s": step_s,
-                             "plan_version": ds.plan_version})
+        entry = {"step": int(state.global_step), "batch_size": meta.local_samples,
+                 "global_batch": meta.global_samples, "compute_s": meta.compute_s, "step_s": step_s,
+                 "sync_wait_s": meta.sync_wait_s, "fetch_s": meta.fetch_s, "data_wait_s": meta.wait_s,
+                 "collective_s": meta.collective_s, "plan_version": ds.plan_version}
+        self.history.append(entry)
         if meta.last:
             control.should_training_stop = True
         if meta.restart:
@@ -153,6 +166,7 @@ class AntDTAgent(TrainerCallback, ExportableState):
             self.last_checkpoint_id = int(state.global_step)
         self.steps += 1
         self._last_end = time.perf_counter()
+        entry["agent_s"] = self._last_end - t0
         self.overhead_s += self._last_end - t0
 
     def on_save(self, args, state, control, **kwargs):

@@ -6,6 +6,7 @@ safe because every mutating op is idempotent (absolute ack offsets, lease reques
 
 from __future__ import annotations
 
+import collections
 import http.client
 import json
 import os
@@ -51,6 +52,7 @@ class ShardingClient:
         self._local = threading.local()
         self.calls = 0
         self.call_s = 0.0
+        self.latencies: collections.deque[float] = collections.deque(maxlen=100_000)
         self._stats_lock = threading.Lock()
 
     # ------------------------------------------------------------------------------------------- transport
@@ -104,8 +106,10 @@ class ShardingClient:
             except json.JSONDecodeError:
                 raise ServiceError(f"service answered HTTP {status} with a non-JSON body on op {op!r}.") from None
             with self._stats_lock:
+                took = time.perf_counter() - t0
                 self.calls += 1
-                self.call_s += time.perf_counter() - t0
+                self.call_s += took
+                self.latencies.append(took)
             if status != 200:
                 raise error_from_payload(reply)
             return reply
@@ -120,13 +124,24 @@ class ShardingClient:
             body["max_micro_batch"] = int(max_micro_batch)
         return self.call("register", body)
 
-    def lease(self) -> dict:
-        return self.call("lease", {"request_id": uuid.uuid4().hex})
+    def lease(self, min_samples: int = 1, max_shards: int = 1) -> dict:
+        """Lease shards until ``min_samples`` unconsumed samples are held (at most ``max_shards`` shards)."""
+        return self.call("lease", self.lease_body(min_samples, max_shards))
 
-    def ack(self, items: list[dict], metrics: dict | None = None) -> dict:
+    @staticmethod
+    def lease_body(min_samples: int = 1, max_shards: int = 1) -> dict:
+        return {"request_id": uuid.uuid4().hex, "min_samples": int(max(1, min_samples)),
+                "max_shards": int(min(64, max(1, max_shards)))}
+
+    def ack(self, items: list[dict], metrics: dict | None = None, lease: dict | None = None) -> dict:
+        """Acknowledge consumed positions (absolute offsets), report metrics, and optionally lease in the same round
+        trip (``lease`` = `lease_body`; the reply then has a ``"lease"`` entry shaped like `lease`'s reply). An
+        accepted ack also renews every other lease this worker holds."""
         body: dict = {"items": items}
         if metrics is not None:
             body["metrics"] = metrics
+        if lease is not None:
+            body["lease"] = lease
         return self.call("ack", body)
 
     def renew(self, items: list[dict]) -> dict:

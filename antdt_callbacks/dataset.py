@@ -10,7 +10,9 @@ Design points (each one is a trap of Trainer/Accelerate dataloading, see the Ant
 - **Stop together.** Under DDP every rank all-reduces ``[samples, at_end, restart]`` before each batch: the sum of
   samples is the step's global batch (gradient weights ``b_i / sum b``), ranks out of data contribute a zero-weight
   dummy sample, and all ranks see the same "no data left anywhere" at the same step. A one-batch lookahead marks the
-  last batch, so the Agent stops Trainer there instead of letting it spin through ``max_steps``.
+  last batch, so the Agent stops Trainer there instead of letting it spin through ``max_steps``. The lookahead's
+  all-reduce is started asynchronously and finished at the step's end (`settle`), so it overlaps the step's compute
+  instead of adding a second barrier per step (under CPU oversubscription each collective costs milliseconds).
 - **Ack after the step.** Positions taken for a batch are acknowledged by the Agent at ``on_step_end`` (from
   `BatchMeta.ack_items`), never at fetch time.
 """
@@ -49,6 +51,10 @@ class BatchMeta:
     last: bool = False
     restart: bool = False
     compute_s: float = 0.0
+    sync_wait_s: float = 0.0
+    fetch_s: float = 0.0
+    wait_s: float = 0.0
+    collective_s: float = 0.0
     extra: dict = field(default_factory=dict)
 
     @property
@@ -78,6 +84,22 @@ class _Lease:
     @property
     def left(self) -> int:
         return len(self.ids) - self.taken
+
+
+@dataclass
+class _Pending:
+    """A batch cut from the leases whose stop-together all-reduce may still be in flight."""
+
+    ids: np.ndarray
+    items: list[dict]
+    at_end: bool
+    restart: bool
+    tensor: torch.Tensor | None = None
+    work: Any = None
+    wait_s: float = 0.0
+    fetch_s: float = 0.0
+    done: bool = False
+    result: tuple[Any, BatchMeta] | None = None
 
 
 def _dist_ready() -> bool:
@@ -134,6 +156,8 @@ class ServiceIterableDataset(IterableDataset):
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._lease_inflight = False
+        self._last_renew = 0.0
 
     # ------------------------------------------------------------------------------------------- service
     def connect(self) -> dict:
@@ -186,39 +210,70 @@ class ServiceIterableDataset(IterableDataset):
                 self._error = exc
             self._cond.notify_all()
 
+    def _lease_demand(self, slack: int) -> dict | None:
+        """A lease request body when this rank holds fewer than ``prefetch_batches`` of its current batches plus
+        ``slack`` samples, else None. Call with ``self._cond`` held; marks a lease in flight (one at a time).
+
+        Lease ahead by *samples*, at most `prefetch_shards` shards: a slow rank with a small batch must not hoard
+        data, or the fast ranks run dry at the end of the data while it drains its hoard alone. A refill asks for
+        one batch more than the threshold, so a rank leases about every other step, not every step."""
+        if self._lease_inflight or self._status == "end":
+            return None
+        b = max(1, self.batch_size)
+        ahead = sum(1 for lease in self._leases if lease.left > 0)
+        avail = sum(lease.left for lease in self._leases)
+        need = self.config.prefetch_batches * b
+        if avail >= need + slack or (ahead >= self.config.prefetch_shards and avail >= b):
+            return None
+        self._lease_inflight = True
+        return ShardingClient.lease_body(need + b - avail, max(1, self.config.prefetch_shards - ahead))
+
+    def lease_request(self) -> dict | None:
+        """Lease body to piggyback on the next ack (the Agent's sender thread), if the buffer will need a refill
+        within a batch; the prefetch thread then has nothing to do. Pair with `accept_lease`."""
+        with self._cond:
+            return self._lease_demand(slack=max(1, self.batch_size))
+
+    def accept_lease(self, reply: dict | None) -> None:
+        """Take the shards of a lease reply (or, with ``None``, give up the in-flight mark after a failure)."""
+        with self._cond:
+            self._lease_inflight = False
+            if reply is not None:
+                self._take_reply(reply)
+            self._cond.notify_all()
+
+    def _take_reply(self, reply: dict) -> None:
+        assert self.job is not None
+        if reply["status"] == "shard":
+            for s in reply.get("shards") or [reply["shard"]]:
+                ids = shard_sample_ids(self.job, s["epoch"], s["shard_id"], s["start"], s["end"])
+                lease = _Lease(s["epoch"], s["shard_id"], s["token"], s["offset"], s["end"] - s["start"],
+                               ids[s["offset"]:])
+                self._leases.append(lease)
+                self._open[lease.key] = lease
+            self._status = "open"
+        elif reply["status"] == "wait" and (self.sync or not reply.get("others")):
+            # Drained: the leases left are this rank's own (or, in synchronous training, are already cut into some
+            # rank's pending batch): nothing more will come, so this rank is at its end.
+            self._status = "end"
+        else:
+            self._status = reply["status"]
+
     def _prefetch_loop(self) -> None:
         assert self.job is not None
         try:
             while not self._stop.is_set():
                 with self._cond:
-                    ahead = sum(1 for lease in self._leases if lease.left > 0)
-                    avail = sum(lease.left for lease in self._leases)
-                    # Lease ahead by *samples* (`prefetch_batches` of this rank's current batch), at most
-                    # `prefetch_shards` shards: a slow rank with a small batch must not hoard data, or the fast ranks
-                    # run dry at the end of the data while it drains its hoard alone.
-                    need = self.config.prefetch_batches * max(1, self.batch_size)
-                    want = avail < need and (ahead < self.config.prefetch_shards or avail < self.batch_size)
-                    want = want and self._status != "end"
-                    if not want:
+                    body = self._lease_demand(slack=0)
+                    if body is None:
                         self._cond.wait(timeout=0.2)
                         continue
-                reply = self.client.lease()
-                with self._cond:
-                    if reply["status"] == "shard":
-                        s = reply["shard"]
-                        ids = shard_sample_ids(self.job, s["epoch"], s["shard_id"], s["start"], s["end"])
-                        lease = _Lease(s["epoch"], s["shard_id"], s["token"], s["offset"], s["end"] - s["start"],
-                                       ids[s["offset"]:])
-                        self._leases.append(lease)
-                        self._open[lease.key] = lease
-                        self._status = "open"
-                    elif reply["status"] == "wait" and (self.sync or not reply.get("others")):
-                        # Drained: the leases left are this rank's own (or, in synchronous training, are already
-                        # cut into some rank's pending batch): nothing more will come, so this rank is at its end.
-                        self._status = "end"
-                    else:
-                        self._status = reply["status"]
-                    self._cond.notify_all()
+                try:
+                    reply = self.client.call("lease", body)
+                except BaseException:
+                    self.accept_lease(None)
+                    raise
+                self.accept_lease(reply)
                 if reply["status"] == "wait":
                     self._stop.wait(self.config.wait_poll_s)
         except BaseException as e:  # noqa: BLE001 - surfaced in the consuming thread
@@ -227,6 +282,8 @@ class ServiceIterableDataset(IterableDataset):
     def _heartbeat_loop(self, period: float) -> None:
         try:
             while not self._stop.wait(period):
+                if time.monotonic() - self._last_renew < period:
+                    continue  # an accepted ack renewed every lease of this worker since the last beat
                 with self._cond:
                     items = [{"epoch": lease.epoch, "shard_id": lease.shard_id, "token": lease.token}
                              for lease in self._open.values()]
@@ -259,7 +316,9 @@ class ServiceIterableDataset(IterableDataset):
             self.client.release(items)
 
     def mark_acked(self, items: list[dict]) -> None:
-        """Forget leases that an accepted ack finished (no more heartbeats for them)."""
+        """Forget leases that an accepted ack finished (no more heartbeats for them). The accepted ack renewed
+        the others, so the heartbeat can skip a beat."""
+        self._last_renew = time.monotonic()
         with self._cond:
             for it in items:
                 lease = self._open.get((it["epoch"], it["shard_id"]))
@@ -302,30 +361,56 @@ class ServiceIterableDataset(IterableDataset):
     def _collate(self, ids: np.ndarray) -> Any:
         return self.collate_fn([self.dataset[int(i)] for i in ids])
 
-    def _next_batch(self) -> tuple[Any, BatchMeta] | None:
+    def _cut(self) -> _Pending:
+        """Take this rank's next batch of ids and *start* the stop-together all-reduce of ``[samples, at_end,
+        restart]`` (asynchronously: for the lookahead batch it completes while the current step computes, instead
+        of adding a blocking collective, i.e. one more barrier, to every step)."""
+        t0 = time.perf_counter()
+        wait0 = self.wait_s
+        ids, items, at_end = self._take(self.batch_size)
+        p = _Pending(ids, items, at_end, self.restart_requested)
+        if self.sync:
+            p.tensor = torch.tensor([len(ids), int(at_end), int(p.restart)], dtype=torch.int64)
+            p.work = dist.all_reduce(p.tensor, async_op=True)
+        p.wait_s = self.wait_s - wait0
+        p.fetch_s = time.perf_counter() - t0
+        return p
+
+    def _resolve(self, p: _Pending) -> tuple[Any, BatchMeta] | None:
+        """Finish a cut batch: wait for its all-reduce, then build it (None when no rank has data left). While no
+        rank has data but leases are still held elsewhere (a stalled peer), poll together with fresh cuts."""
+        if p.done:
+            return p.result
+        t_start = time.perf_counter()
         deadline = time.monotonic() + self.config.stop_timeout_s
+        first = p
+        wait_s = coll_s = 0.0
         while True:
-            ids, items, at_end = self._take(self.batch_size)
-            restart = self.restart_requested
-            if self.sync:
+            if p is not first:
+                wait_s += p.wait_s
+            if p.work is not None:
                 t0 = time.perf_counter()
-                t = torch.tensor([len(ids), int(at_end), int(restart)], dtype=torch.int64)
-                dist.all_reduce(t)
-                self.collective_s += time.perf_counter() - t0
-                total, ends, restarts = (int(x) for x in t.tolist())
+                p.work.wait()
+                coll_s += time.perf_counter() - t0
+                total, ends, restarts = (int(x) for x in p.tensor.tolist())
                 world = dist.get_world_size()
             else:
-                total, ends, restarts, world = len(ids), int(at_end), int(restart), 1
+                total, ends, restarts, world = len(p.ids), int(p.at_end), int(p.restart), 1
             if total > 0:
                 break
             if ends == world:
+                first.done, first.result = True, None
+                self.collective_s += coll_s
                 return None
             # Nothing anywhere right now but not finished (leases held by a stalled peer): poll together.
             if time.monotonic() > deadline:
                 raise AntDTError(f"rank {self.rank}: all ranks had no data for {self.config.stop_timeout_s} s while "
                                  "the service still had leased shards (a stalled worker?).")
             time.sleep(self.config.wait_poll_s)
-        meta = BatchMeta(sample_ids=ids, ack_items=items, global_samples=total, micro_sizes=[],
+            p = self._cut()
+        self.collective_s += coll_s
+        ids = p.ids
+        meta = BatchMeta(sample_ids=ids, ack_items=p.items, global_samples=total, micro_sizes=[],
                          restart=restarts > 0)
         # A rank without data still runs forward/backward (DDP needs every rank) on one dummy sample, weight 0.
         use = ids if len(ids) else np.zeros(1, dtype=np.int64)
@@ -339,7 +424,24 @@ class ServiceIterableDataset(IterableDataset):
         if not isinstance(batch, dict):
             raise TypeError(f"collate_fn must return a dict (Trainer inputs), got {type(batch).__name__}.")
         batch["antdt_meta"] = meta
+        # Where the data path's time goes (the benchmark's breakdown): blocked on leases, waiting for the
+        # stop-together all-reduce, and the whole cut + resolve (the rest is cutting and collating).
+        meta.wait_s = first.wait_s + wait_s
+        meta.collective_s = coll_s
+        meta.fetch_s = first.fetch_s + time.perf_counter() - t_start
+        first.done, first.result = True, (batch, meta)
         return batch, meta
+
+    def _next_batch(self) -> tuple[Any, BatchMeta] | None:
+        return self._resolve(self._cut())
+
+    def settle(self, meta: BatchMeta) -> BatchMeta:
+        """Resolve the lookahead behind ``meta`` (its all-reduce is normally done by now) so that ``meta.last``
+        says whether this was the last batch on every rank. The Agent calls it at ``on_step_end``."""
+        p = meta.extra.pop("antdt_next", None)
+        if p is not None:
+            meta.last = self._resolve(p) is None
+        return meta
 
     def __iter__(self) -> Iterator[Any]:
         self._start()
@@ -351,14 +453,26 @@ class ServiceIterableDataset(IterableDataset):
             return
         cur = self._next_batch()
         while cur is not None:
-            nxt = self._next_batch()
-            cur[1].last = nxt is None
+            # Lookahead: cut the next batch and start its all-reduce now; `settle` (or the next iteration) finishes
+            # it, and marks the current batch as the last one when no rank has data left.
+            nxt = self._cut()
+            cur[1].extra["antdt_next"] = nxt
             yield cur[0]
-            cur = nxt
+            self.settle(cur[1])
+            cur = self._resolve(nxt)
 
     def ack(self, meta: BatchMeta, metrics: dict | None = None) -> dict:
-        """Acknowledge a consumed batch (synchronously); used outside Trainer. Applies a returned plan."""
-        reply = self.client.ack(meta.ack_items, metrics)
+        """Acknowledge a consumed batch (synchronously; a lease refill rides along when one is due); used outside
+        Trainer. Applies a returned plan."""
+        lease = self.lease_request()
+        try:
+            reply = self.client.ack(meta.ack_items, metrics, lease=lease)
+        except BaseException:
+            if lease is not None:
+                self.accept_lease(None)
+            raise
         self.mark_acked(meta.ack_items)
+        if lease is not None:
+            self.accept_lease(reply.get("lease"))
         self.apply_plan(Plan.from_dict(reply["plan"]))
         return reply

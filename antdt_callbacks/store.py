@@ -133,7 +133,8 @@ class SQLiteStore:
             if d.reply_cache is not None:
                 self._reply_seq += 1
                 c.execute("INSERT OR REPLACE INTO replies VALUES (?,?,?,?)",
-                          (*d.reply_cache, self._reply_seq, json.dumps(d.reply)))
+                          (*d.reply_cache, self._reply_seq,
+                           json.dumps(d.cached_reply if d.cached_reply is not None else d.reply)))
                 c.execute("DELETE FROM replies WHERE seq <= ?", (self._reply_seq - 256,))
             c.execute("COMMIT")
         except BaseException:

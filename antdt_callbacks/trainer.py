@@ -141,8 +141,10 @@ class AntDTTrainerMixin:
                 scale = meta.micro_sizes[j] / n_local if n_local else 1.0
                 self.accelerator.backward(loss * scale)
             total = total + loss.detach() * scale
-        end = self._antdt_hook.last_ready if (ddp and self._antdt_hook.last_ready) else time.perf_counter()
+        done = time.perf_counter()
+        end = self._antdt_hook.last_ready if (ddp and self._antdt_hook.last_ready) else done
         meta.compute_s = end - t0
+        meta.sync_wait_s = done - end  # last bucket ready -> gradients reduced: waiting for the slowest rank
         self._antdt_dataset.current_meta = meta  # type: ignore[union-attr]
         # Trainer logs the mean over ranks of this value; scaling by w_i * world makes it the weighted global loss.
         world = dist.get_world_size() if ddp else 1

@@ -95,3 +95,25 @@ def test_straggler_reaction_and_transient_undo(tmp_path):
     undo = min(s for s, b in b1.items() if s > max(react, 18) and b == 8)
     assert undo <= 18 + mcfg.window_steps * 2 + 2, f"not undone promptly: {b1}"
     np.testing.assert_allclose(np.asarray(res.seen), 1.0, atol=1e-3)
+
+
+@pytest.mark.timeout(600)
+def test_nd_policy_kills_and_restarts_a_persistent_straggler(tmp_path):
+    # Rank 1 is 5x slower in its first incarnation only: a restart "reschedules it on a healthy node" (on one box the
+    # slowness is tied to the incarnation, standing in for the slot). The ND Controller classifies it persistent and
+    # severe, its cost rule says a restart pays, the Agents checkpoint, commit the service snapshot and exit;
+    # torchrun restarts the group, which resumes from that checkpoint with the service rolled back to it.
+    mcfg = MonitorConfig(window_steps=2, consecutive_windows=1, persistent_windows=2, straggler_threshold=0.3,
+                         severe_ratio=0.6)
+    ccfg = ControllerConfig(policy="nd", max_restarts=1, restart_cost_s=0.1, cooldown_windows=0)
+    res = run_job(tmp_path, 2, JobConfig(dataset_size=395, shard_size=16, world_size=2, global_batch_size=16,
+                                         lease_ttl_s=10.0), mcfg, ccfg,
+                  ["--sample-cost-s", "0.004", "--slow", "rank=1:factor=5:incarnation=0"], max_restarts=1,
+                  timeout_s=540)
+    assert "for a kill-and-restart" in res.log, res.log[-4000:]
+    assert res.status["restarts"] == 1
+    assert all(rep["incarnation"] == 1 and rep["resumed_from"] for rep in res.reports.values()), res.reports
+    _assert_exactly_once(res)
+    # After the restart rank 1 is healthy again: the ND policy undoes its smaller batch (equal split again).
+    b1 = [h["batch_size"] for h in res.reports[1]["history"]]
+    assert 8 in b1 and res.status["plan"]["batch_sizes"] == [8, 8], (b1, res.status["plan"])

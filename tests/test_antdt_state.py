@@ -176,6 +176,18 @@ def test_proportional_split_keeps_the_global_batch():
     for rates in ([1, 1, 1], [5, 1, 1, 1], [100, 1], [0.3, 0.3, 0.4]):
         b = proportional_split(37, rates, min_batch=2)
         assert sum(b) == 37 and min(b) >= 2
+    # Rounding minimises the synchronous step time: no single-sample move shortens max_i b_i / rate_i.
+    rates = [231.0, 80.0, 231.0, 231.0]
+    b = proportional_split(64, rates)
+    assert b == [20, 6, 19, 19]
+    t = max(bi / r for bi, r in zip(b, rates))
+    for i in range(4):
+        for j in range(4):
+            if i != j:
+                moved = list(b)
+                moved[i] -= 1
+                moved[j] += 1
+                assert max(bi / r for bi, r in zip(moved, rates)) >= t - 1e-12
 
 
 def _feed(ctl, mcfg, ccfg, rates, steps, start_step):
@@ -224,3 +236,43 @@ def test_nd_cost_rule_restarts_only_when_it_pays():
     b = [10, 10, 10, 2]
     t_now = max(bi / ri for bi, ri in zip(b, rates(0)))
     assert restart_saving_s(b, rates(0), 3, 100, 0.0) == pytest.approx(100 * (t_now - 32 / 1200))
+
+
+def test_one_lease_request_can_take_several_shards():
+    svc = registered(shuffle=False)
+    rep = svc("lease", rank=0, incarnation=0, request_id="multi", min_samples=40, max_shards=8)
+    assert [s["end"] - s["start"] for s in rep["shards"]] == [16, 16, 16]  # stops once 40 samples are held
+    assert len({s["token"] for s in rep["shards"]}) == 3 and rep["shard"] == rep["shards"][0]
+    capped = svc("lease", rank=1, incarnation=0, request_id="cap", min_samples=1000, max_shards=2)
+    assert len(capped["shards"]) == 2
+    assert svc("lease", rank=0, incarnation=0, request_id="multi", min_samples=40, max_shards=8) == rep  # replay
+    ids = consume_all(svc) + [i for r in (rep, capped) for s in r["shards"] for i in
+                              shard_sample_ids(svc.st.job, 0, s["shard_id"], s["start"], s["end"]).tolist()]
+    assert sorted(ids) == list(range(100))
+
+
+def test_ack_renews_the_callers_other_leases_and_can_carry_a_lease():
+    svc = registered(lease_ttl_s=5)
+    a, b = svc("lease", rank=0, incarnation=0, request_id="ab", min_samples=32, max_shards=2)["shards"]
+    other = svc.lease(1)["shard"]
+    for _ in range(3):  # acks of `a` only: `b` stays alive without any renew call; rank 1's lease is not renewed
+        svc.now += 3
+        svc("ack", rank=0, incarnation=0, items=[{"epoch": 0, "shard_id": a["shard_id"], "token": a["token"],
+                                                   "offset": 1}])
+    assert svc.st.shards[(0, b["shard_id"])].state == "DOING"
+    assert svc.st.shards[(0, other["shard_id"])].state == "TODO"  # expired, tail back in TODO
+    item = {"epoch": 0, "shard_id": a["shard_id"], "token": a["token"], "offset": 16}
+    rep = svc("ack", rank=0, incarnation=0, items=[item], lease={"request_id": "p1", "min_samples": 20,
+                                                                   "max_shards": 4})
+    assert rep["ok"] and rep["lease"]["status"] == "shard" and len(rep["lease"]["shards"]) == 2
+    assert svc.st.shards[(0, a["shard_id"])].state == "DONE"
+    # A retried request (reply lost) changes nothing more and replays the same leases.
+    again = svc("ack", rank=0, incarnation=0, items=[item], lease={"request_id": "p1", "min_samples": 20,
+                                                                     "max_shards": 4})
+    assert again["lease"] == rep["lease"]
+    # A fenced ack refuses the piggybacked lease too.
+    before = copy.deepcopy(svc.st.shards)
+    with pytest.raises(FencedError):
+        decide(svc.st, {"op": "ack", "rank": 0, "incarnation": 0, "items": [{**item, "token": 999}],
+                        "lease": {"request_id": "p2"}}, svc.now)
+    assert svc.st.shards == before

@@ -107,9 +107,11 @@ class StepClock(TrainerCallback):
 
     def __init__(self):
         self.times: list[float] = []
+        self.cpu: list[float] = []
 
     def on_step_end(self, args, state, control, **kwargs):
         self.times.append(time.perf_counter())
+        self.cpu.append(time.process_time())  # all threads of this process
 
 
 class FaultInjector(TrainerCallback):
@@ -151,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", choices=["antdt", "plain"], default="antdt")
     ap.add_argument("--batch-size", type=int, default=8, help="plain mode: per-device batch")
     ap.add_argument("--micro-cap", default=None, help="rank=R:size=S: memory cap (micro-batch size) of rank R")
+    ap.add_argument("--start-file", default=None, help="start barrier for co-running jobs: write <file>.ready.<pid> "
+                    "once built, then train only when <file> exists")
     a = ap.parse_args(argv)
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
     torch.set_num_threads(1)
@@ -177,18 +181,25 @@ def main(argv: list[str] | None = None) -> int:
         agent = AntDTAgent(AgentConfig(url=a.url, max_micro_batch=mine))
         trainer = WorkerTrainer(model=model, args=targs, train_dataset=data, callbacks=[agent, *callbacks])
     last = get_last_checkpoint(str(out)) if out.exists() else None
+    if a.start_file:
+        Path(f"{a.start_file}.ready.{os.getpid()}").touch()
+        deadline = time.monotonic() + 600
+        while not os.path.exists(a.start_file):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"start file {a.start_file} did not appear within 600 s")
+            time.sleep(0.02)
     t0 = time.time()
     trainer.train(resume_from_checkpoint=last)
     wall = time.time() - t0
     rank = int(os.environ.get("RANK", 0))
     inc = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     report = {"rank": rank, "incarnation": inc, "global_step": trainer.state.global_step, "wall_s": wall,
-              "resumed_from": last, "step_times": clock.times}
+              "resumed_from": last, "step_times": clock.times, "step_cpu": clock.cpu}
     if a.mode == "antdt":
         ag = trainer.antdt_agent
         ds = trainer._antdt_dataset
         report.update(history=ag.history, overhead_s=ag.overhead_s, wait_s=ds.wait_s, collective_s=ds.collective_s,
-                      rpc_calls=ds.client.calls, rpc_s=ds.client.call_s)
+                      rpc_calls=ds.client.calls, rpc_s=ds.client.call_s, rpc_latencies=list(ds.client.latencies))
     else:
         report.update(compute=STATE.get("compute", []))
     (out / f"report_rank{rank}_inc{inc}.json").write_text(json.dumps(report))
