@@ -22,6 +22,20 @@ the bandwidth model ignores) and the memory left for activations. So ties are br
 bucket and step, then by model-state memory, then by ``t_comm``. ``t_comp`` can be measured or estimated from FLOPs
 with `estimate_compute_time_s`.
 
+Calibrated terms (all off by default, so the paper's model is unchanged). The bandwidth formulas ignore what a real
+collective library adds, and on a measured cluster those effects reorder strategies that move similar bytes:
+
+- ``latency_intra_s`` / ``latency_inter_s``: fixed cost per collective call; the calls per step come from the same
+  procedure (`collectives`), times ``num_buckets`` (one call per bucket and operation, as the engine issues them).
+- ``reduce_scatter_factor`` / ``all_reduce_factor``: time of a reduce-scatter / all-reduce relative to the bandwidth
+  formula (gloo, for one, runs ``reduce_scatter_tensor`` as an all-reduce, about 2x the bytes).
+- ``optimizer_time_s``: time of one unsharded optimizer step; a strategy pays ``optimizer_time_s / d(os)``.
+- ``overlap``: fraction of the shorter of compute and communication that the other hides: 1 is the paper's
+  ``max(t_comm, t_comp)``, 0 a synchronous engine (``t_comm + t_comp``).
+
+Measure them with a calibration step (time one all-gather, reduce-scatter and all-reduce of two sizes per link,
+and one compute-only step) rather than fitting them to a measured ranking; `bench/paro/` does this.
+
 Working memory. Model states are not all a device holds: activations, temporary all-gather and gradient buffers and
 allocator fragmentation come on top, and they decide which strategies run out of memory in practice. The paper's
 LLaMA-7B runs (no activation checkpointing) report every NN* strategy out of memory although NNG's model states are
@@ -38,7 +52,7 @@ from dataclasses import asdict, dataclass, field
 
 from .strategies import KNOWN_EQUIVALENTS, VALID_STRATEGIES, Level, Strategy, parse_strategy
 
-__all__ = ["GuidelineInputs", "GuidelineRow", "GuidelineTable", "advise", "memory_bytes", "traffic",
+__all__ = ["GuidelineInputs", "GuidelineRow", "GuidelineTable", "advise", "memory_bytes", "traffic", "collectives",
            "estimate_compute_time_s", "DEFAULT_WORKING_MEMORY_FRACTION"]
 
 DEFAULT_WORKING_MEMORY_FRACTION = 0.1
@@ -124,6 +138,69 @@ def traffic(strategy: str | Strategy, num_params: float, trainable_params: float
     return result
 
 
+def collectives(strategy: str | Strategy, num_params: float, trainable_params: float, world_size: int,
+                group_size: int, accumulation_steps: int, bytes_param: float = 2, bytes_grad: float = 2,
+                paro_cc: bool = True) -> list[dict]:
+    """The collectives one optimizer step issues per bucket: ``{"term", "link", "op", "bytes", "calls"}`` records,
+    ``op`` in ``all_gather`` / ``reduce_scatter`` / ``all_reduce``, ``bytes`` sent per rank summed over the
+    ``calls``. Summed by link they equal `traffic`; this split is what latency and per-operation factors need."""
+    st = parse_strategy(strategy)
+    n, m, s = world_size, group_size, accumulation_steps
+    ng = n // m
+    a_i, a_e, a_f = (m - 1) / m, (ng - 1) / n, (n - 1) / n
+    psi, psi_t = num_params, trainable_params
+    out: list[dict] = []
+
+    def add(term: str, link: str, op: str, elements: float, calls: float) -> None:
+        if elements <= 0 or calls <= 0 or (link == "intra" and m == 1) or (link == "inter" and ng == 1):
+            return
+        nbytes = bytes_param if term in ("t_param", "t_sync_p") else bytes_grad
+        out.append({"term": term, "link": link, "op": op, "bytes": elements * nbytes, "calls": calls})
+
+    def glob(term: str, op: str, x: float, calls: float) -> None:
+        """One global collective repeated ``calls`` times: PaRO-CC (intra + inter parts, or RS_I -> AR_E -> AG_I for
+        an all-reduce) or a flat ring."""
+        if not paro_cc:
+            add(term, "flat", op, (2 if op == "all_reduce" else 1) * a_f * x * calls, calls)
+        elif op == "all_reduce":
+            add(term, "intra", "reduce_scatter", a_i * x * calls, calls)
+            add(term, "inter", "all_reduce", 2 * a_e * x * calls, calls)
+            add(term, "intra", "all_gather", a_i * x * calls, calls)
+        else:
+            add(term, "inter", op, a_e * x * calls, calls)
+            add(term, "intra", op, a_i * x * calls, calls)
+
+    N, I, G = Level.N, Level.I, Level.G  # noqa: E741 - the paper's letters
+    if st.p == I:
+        add("t_param", "intra", "all_gather", 2 * s * a_i * psi, 2 * s)
+    elif st.p == G:
+        glob("t_param", "all_gather", psi, 2 * s)
+    if st.g == I:
+        add("t_gradient", "intra", "reduce_scatter", s * a_i * psi_t, s)
+    elif st.g == G:
+        glob("t_gradient", "reduce_scatter", psi_t, s)
+    key = (st.g, st.os)
+    if key == (N, N):
+        glob("t_sync_g", "all_reduce", psi_t, 1)
+    elif key == (N, I):
+        add("t_sync_g", "intra", "reduce_scatter", a_i * psi_t, 1)
+        add("t_sync_g", "inter", "all_reduce", 2 * a_e * psi_t, 1)
+    elif key == (N, G):
+        glob("t_sync_g", "reduce_scatter", psi_t, 1)
+    elif key == (I, I):
+        add("t_sync_g", "inter", "all_reduce", 2 * a_e * psi_t, 1)
+    elif key == (I, G):
+        add("t_sync_g", "inter", "reduce_scatter", a_e * psi_t, 1)
+    pk = (st.p, st.os)
+    if pk == (N, I):
+        add("t_sync_p", "intra", "all_gather", a_i * psi_t, 1)
+    elif pk == (N, G):
+        glob("t_sync_p", "all_gather", psi_t, 1)
+    elif pk == (I, G):
+        add("t_sync_p", "inter", "all_gather", a_e * psi_t, 1)
+    return out
+
+
 @dataclass
 class GuidelineInputs:
     """Inputs of `advise` (sizes in elements, bandwidths per rank in Gbit/s, memory in GB = 1e9 bytes)."""
@@ -143,6 +220,18 @@ class GuidelineInputs:
     bytes_grad: float = field(default=2, metadata={"help": "Bytes per gradient element."})
     bytes_os: float = field(default=12, metadata={"help": "Bytes of optimizer state per trainable element."})
     paro_cc: bool = field(default=True, metadata={"help": "Hierarchical collectives (False: flat rings)."})
+    overlap: float = field(default=1.0, metadata={
+        "help": "Fraction of min(t_comp, t_comm) hidden: 1 = the paper's max(); 0 = a synchronous engine (sum)."})
+    latency_intra_s: float = field(default=0.0, metadata={"help": "Fixed seconds per intra-group collective call."})
+    latency_inter_s: float = field(default=0.0, metadata={
+        "help": "Fixed seconds per inter-group (or flat) collective call."})
+    num_buckets: int = field(default=1, metadata={"help": "Buckets per step: each operation is one call per bucket."})
+    reduce_scatter_factor: float = field(default=1.0, metadata={
+        "help": "Reduce-scatter time relative to the bandwidth formula (calibrated; ~2 when run as an all-reduce)."})
+    all_reduce_factor: float = field(default=1.0, metadata={
+        "help": "All-reduce time relative to the bandwidth formula (calibrated)."})
+    optimizer_time_s: float = field(default=0.0, metadata={
+        "help": "Seconds of one unsharded optimizer step; a strategy pays it divided by d(os)."})
     candidates: Sequence[str] | None = field(default=None, metadata={"help": "Strategies to rank; default all 14."})
 
     def __post_init__(self) -> None:
@@ -159,8 +248,17 @@ class GuidelineInputs:
                              "equal sets of consecutive ranks, usually one node each).")
         if self.accumulation_steps < 1:
             raise ValueError(f"accumulation_steps={self.accumulation_steps} must be >= 1.")
-        if self.compute_time_s < 0:
-            raise ValueError(f"compute_time_s={self.compute_time_s} must be >= 0.")
+        for name in ("compute_time_s", "latency_intra_s", "latency_inter_s", "optimizer_time_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (seconds).")
+        if not 0 <= self.overlap <= 1:
+            raise ValueError(f"overlap={self.overlap} must be in [0, 1] (1: communication fully hidden by compute "
+                             "as in the paper, 0: no overlap).")
+        if self.num_buckets < 1:
+            raise ValueError(f"num_buckets={self.num_buckets} must be >= 1.")
+        for name in ("reduce_scatter_factor", "all_reduce_factor"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive (1 = the bandwidth formula).")
         if self.working_memory_gb is not None and self.working_memory_gb < 0:
             raise ValueError(f"working_memory_gb={self.working_memory_gb} must be >= 0.")
         if self.candidates is not None:
@@ -227,11 +325,18 @@ def advise(inputs: GuidelineInputs) -> GuidelineTable:
                            x.bytes_grad, x.bytes_os)["total"] / 1e9
         tr = traffic(name, x.num_params, x.trainable_params, x.world_size, x.group_size, x.accumulation_steps,
                      x.bytes_param, x.bytes_grad, x.paro_cc)
-        t_comm = tr["intra"] / b_intra + (tr["inter"] + tr["flat"]) / b_inter
+        t_comm = 0.0
+        factor = {"all_gather": 1.0, "reduce_scatter": x.reduce_scatter_factor, "all_reduce": x.all_reduce_factor}
+        for c in collectives(name, x.num_params, x.trainable_params, x.world_size, x.group_size,
+                             x.accumulation_steps, x.bytes_param, x.bytes_grad, x.paro_cc):
+            intra = c["link"] == "intra"
+            t_comm += c["bytes"] * factor[c["op"]] / (b_intra if intra else b_inter)
+            t_comm += c["calls"] * x.num_buckets * (x.latency_intra_s if intra else x.latency_inter_s)
+        t_opt = x.optimizer_time_s / parse_strategy(name).os.divisor(x.world_size, x.group_size)
+        t_step = x.compute_time_s + t_comm - x.overlap * min(x.compute_time_s, t_comm) + t_opt
         fits = x.device_memory_gb is None or mem + wm <= x.device_memory_gb
         rows.append(GuidelineRow(0, name, KNOWN_EQUIVALENTS.get(name, ""), mem, mem + wm, fits, tr["intra"] / 1e9,
-                                 (tr["inter"] + tr["flat"]) / 1e9, t_comm, max(t_comm, x.compute_time_s),
-                                 tr["inter_launches"]))
+                                 (tr["inter"] + tr["flat"]) / 1e9, t_comm, t_step, tr["inter_launches"]))
 
     def key(r: GuidelineRow):
         return (not r.fits, _round(r.t_step_s), r.inter_launches, _round(r.model_state_gb), _round(r.t_comm_s))

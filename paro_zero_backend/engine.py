@@ -116,6 +116,7 @@ class ParoEngine(nn.Module):
         self.buckets, self.slots = build_buckets(model, owner, len(units), self.config.bucket_size, n)
         self._unit_buckets: list[list[Bucket]] = [[b for b in self.buckets if b.unit == u] for u in range(len(units))]
         self._slot_by_param = {id(s.param): s for s in self.slots}
+        self.guideline = None  # the GuidelineTable behind strategy="auto" (inputs include the bandwidths used)
         self.strategy: Strategy = self._resolve_strategy()
         self._empty = torch.empty(0, dtype=self.compute_dtype)
         self._init_storage()
@@ -160,6 +161,7 @@ class ParoEngine(nn.Module):
             raise ValueError("strategy='auto': no PaRO strategy fits in device_memory_gb="
                              f"{cfg.device_memory_gb} for this model; raise the memory, lower working_memory_gb, "
                              "freeze parameters or add ranks.\n" + table.format())
+        self.guideline = table
         logger.info("strategy='auto' picked %s\n%s", table.recommended, table.format())
         return parse_strategy(table.recommended)
 

@@ -139,3 +139,43 @@ def test_cli_hf_config(tmp_path, capsys):
                  "--inter-gbps", "10", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["inputs"]["num_params"] == 2 * (12 * 64 * 64 + 13 * 64) + 100 * 64 + 32 * 64 + 2 * 64
+
+
+@pytest.mark.parametrize("paro_cc", [True, False])
+def test_collectives_sum_to_traffic(paro_cc):
+    """The per-call split the latency/factor terms use moves exactly the bytes of the §4.4 traffic table."""
+    from paro_zero_backend.cost_model import collectives
+
+    for st in VALID_STRATEGY_NAMES:
+        want = traffic(st, 1000, 400, 8, 2, 3, bytes_param=2, bytes_grad=4, paro_cc=paro_cc)
+        got = {"intra": 0.0, "inter": 0.0, "flat": 0.0}
+        for c in collectives(st, 1000, 400, 8, 2, 3, bytes_param=2, bytes_grad=4, paro_cc=paro_cc):
+            got[c["link"]] += c["bytes"]
+        for link in got:
+            assert got[link] == pytest.approx(want[link]), (st, link)
+
+
+def test_calibrated_terms():
+    """Defaults keep the paper's T = max(t_comm, t_comp); overlap=0 adds them; latency grows with calls per step;
+    the optimizer term is divided by d(os); a reduce-scatter factor only charges strategies that reduce-scatter."""
+    base = {"num_params": 1e8, "world_size": 4, "group_size": 2, "bandwidth_intra_gbps": 100,
+            "bandwidth_inter_gbps": 2, "accumulation_steps": 4, "compute_time_s": 0.5}
+    rows = {r.strategy: r for r in advise(GuidelineInputs(**base)).rows}
+    serial = {r.strategy: r for r in advise(GuidelineInputs(**base, overlap=0.0)).rows}
+    for st, r in rows.items():
+        assert r.t_step_s == pytest.approx(max(r.t_comm_s, 0.5))
+        assert serial[st].t_step_s == pytest.approx(r.t_comm_s + 0.5)
+    lat = {r.strategy: r for r in advise(GuidelineInputs(**base, latency_inter_s=0.01, num_buckets=3)).rows}
+    # GGG: 2s AG + s RS inter calls per bucket = 12 calls x 3 buckets; NNN: one inter all-reduce x 3 buckets
+    assert lat["GGG"].t_comm_s - rows["GGG"].t_comm_s == pytest.approx(0.36)
+    assert lat["NNN"].t_comm_s - rows["NNN"].t_comm_s == pytest.approx(0.03)
+    opt = {r.strategy: r for r in advise(GuidelineInputs(**base, overlap=0.0, optimizer_time_s=0.4)).rows}
+    assert opt["NNN"].t_step_s - serial["NNN"].t_step_s == pytest.approx(0.4)
+    assert opt["NNI"].t_step_s - serial["NNI"].t_step_s == pytest.approx(0.2)
+    assert opt["GGG"].t_step_s - serial["GGG"].t_step_s == pytest.approx(0.1)
+    rs = {r.strategy: r for r in advise(GuidelineInputs(**base, reduce_scatter_factor=2.0)).rows}
+    assert rs["GGG"].t_comm_s > rows["GGG"].t_comm_s
+    with pytest.raises(ValueError, match="overlap=2"):
+        GuidelineInputs(**base, overlap=2)
+    with pytest.raises(ValueError, match="latency_inter_s"):
+        GuidelineInputs(**base, latency_inter_s=-1)

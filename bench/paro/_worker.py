@@ -1,0 +1,420 @@
+"""One rank of the PaRO cluster benchmark: trains the same GPT-2 under every requested configuration in turn.
+
+Launched once per rank (by ``bench_paro_cluster.py`` inside the emulated cluster, or by torchrun for a local check)
+with the usual RANK / WORLD_SIZE / LOCAL_WORLD_SIZE / MASTER_* variables. All configurations run in one process
+group, one after the other, so process start-up and imports are paid once per bandwidth setting.
+
+Configurations: ``paro:<XYZ>`` (the PaRO engine, PaRO-CC on), ``ds:<1|2|3>`` (DeepSpeed ZeRO stage on gloo),
+``fsdp2:full`` (``fully_shard`` on a 1-D mesh) and ``fsdp2:hybrid`` (2-D mesh ``(groups, m)``: HSDP), and
+``compute`` (forward/backward/AdamW of the full model on one rank, no communication: the compute floor).
+
+Per configuration, rank 0 prints one line ``PARO_BENCH {json}`` with the per-step wall times (the max over ranks
+of each global step), the model-state bytes each rank holds (params + grads + optimizer, max over ranks), and the
+bytes that crossed the inter-node link (the veth counters of this rank's namespace) and the node-local loopback per
+timed step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+torch.set_num_threads(1)
+
+
+# ---------------------------------------------------------------------------------------------------- model/data
+def build_model(args: argparse.Namespace):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, vocab_size=args.vocab,
+                     n_positions=args.seq_len, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                     bos_token_id=0, eos_token_id=0, tie_word_embeddings=True)
+    return GPT2LMHeadModel(cfg)
+
+
+def batch(args: argparse.Namespace, step: int, micro: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1_000_003 * step + 1009 * micro + rank)
+    return torch.randint(1, args.vocab, (args.micro_batch, args.seq_len), generator=g)
+
+
+ADAMW = {"lr": 1e-4, "weight_decay": 0.0, "betas": (0.9, 0.95), "eps": 1e-8}
+
+
+# ------------------------------------------------------------------------------------------------ measurements
+def link_bytes(iface: str | None) -> int:
+    """tx + rx bytes of one interface of this rank's network namespace (0 when unknown)."""
+    if not iface:
+        return 0
+    base = Path("/sys/class/net") / iface / "statistics"
+    try:
+        return int((base / "tx_bytes").read_text()) + int((base / "rx_bytes").read_text())
+    except OSError:
+        return 0
+
+
+def state_bytes(*roots) -> int:
+    """Bytes of the distinct tensor storages reachable from ``roots`` (model, optimizer, engine objects).
+
+    A generic walk so that every system is measured the same way: parameters (or their shards), gradients, master
+    copies, flat partitions and optimizer moments all live in tensors referenced from these objects. Storages are
+    deduplicated by address, so views and aliases count once."""
+    seen_obj: set[int] = set()
+    seen_storage: dict[int, int] = {}
+    stack = [(r, 0) for r in roots]
+    while stack:
+        obj, depth = stack.pop()
+        if id(obj) in seen_obj or depth > 12:
+            continue
+        seen_obj.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            local = obj
+            if hasattr(obj, "to_local"):  # DTensor: count this rank's shard
+                local = obj.to_local()
+            try:
+                st = local.untyped_storage()
+                if st.data_ptr() and st.device.type != "meta":
+                    seen_storage[st.data_ptr()] = max(seen_storage.get(st.data_ptr(), 0), st.nbytes())
+            except (RuntimeError, NotImplementedError):
+                pass
+            for attr in ("grad", "ds_tensor", "_local_tensor"):
+                sub = getattr(obj, attr, None)
+                if isinstance(sub, torch.Tensor):
+                    stack.append((sub, depth + 1))
+            continue
+        if isinstance(obj, (str, bytes, int, float, bool, type(None), type)) or callable(obj) and not hasattr(
+                obj, "__dict__"):
+            continue
+        if isinstance(obj, dict):
+            stack.extend((v, depth + 1) for v in obj.values())
+            stack.extend((k, depth + 1) for k in obj if isinstance(k, torch.Tensor))
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend((v, depth + 1) for v in obj)
+        else:
+            mod = type(obj).__module__ or ""
+            if mod.startswith(("torch.distributed.distributed_c10d", "torch._C", "threading", "logging")):
+                continue
+            d = getattr(obj, "__dict__", None)
+            if isinstance(d, dict):
+                stack.extend((v, depth + 1) for v in d.values())
+    return sum(seen_storage.values())
+
+
+# ------------------------------------------------------------------------------------------------- the systems
+class System:
+    """A configured model + optimizer: ``micro(ids, last)`` runs one micro-step, ``step()`` the optimizer.
+
+    ``probe``, when set, is called after the last backward of a step and before the optimizer update: model-state
+    memory is measured there, where gradients are live in every system."""
+
+    probe = None
+
+    def micro(self, ids: torch.Tensor, last: bool, s: int) -> float:
+        raise NotImplementedError
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def roots(self) -> tuple:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class ParoSystem(System):
+    def __init__(self, model, strategy: str, args, topology):
+        from paro_zero_backend import ParoConfig, ParoEngine
+
+        self.engine = ParoEngine(model, torch.optim.AdamW(model.parameters(), **ADAMW),
+                                 ParoConfig(strategy=strategy, group_size=args.group_size, paro_cc=True,
+                                            bucket_size=args.bucket_size, timeout_s=600.0), topology=topology)
+
+    def micro(self, ids, last, s):
+        with contextlib.nullcontext() if last else self.engine.no_sync():
+            loss = self.engine(input_ids=ids, labels=ids).loss
+            self.engine.backward(loss / s)
+        return float(loss.detach())
+
+    def step(self):
+        self.engine.step()
+        self.engine.zero_grad()
+
+    def roots(self):
+        return (self.engine,)
+
+    def close(self):
+        self.engine.remove_hooks()
+
+
+class DeepSpeedSystem(System):
+    def __init__(self, model, stage: int, args):
+        import deepspeed
+
+        cfg = {
+            "train_micro_batch_size_per_gpu": args.micro_batch,
+            "gradient_accumulation_steps": args.accumulation,
+            "train_batch_size": args.micro_batch * args.accumulation * dist.get_world_size(),
+            "optimizer": {"type": "AdamW", "params": {"lr": ADAMW["lr"], "weight_decay": ADAMW["weight_decay"],
+                                                      "betas": list(ADAMW["betas"]), "eps": ADAMW["eps"],
+                                                      "torch_adam": True}},
+            "zero_optimization": {"stage": stage, "overlap_comm": False, "contiguous_gradients": True,
+                                  "reduce_bucket_size": args.ds_bucket_size,
+                                  "allgather_bucket_size": args.ds_bucket_size},
+            "steps_per_print": 10**9, "wall_clock_breakdown": False,
+        }
+        if stage == 3:
+            cfg["zero_optimization"].update({"stage3_prefetch_bucket_size": args.ds_bucket_size,
+                                             "stage3_max_live_parameters": 10**9,
+                                             "stage3_param_persistence_threshold": 0})
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                                 config=cfg)
+
+    def micro(self, ids, last, s):
+        loss = self.engine(input_ids=ids, labels=ids).loss
+        self.engine.backward(loss)  # DeepSpeed scales by 1/gradient_accumulation_steps itself
+        if last and self.probe is not None:
+            self.probe()
+        self.engine.step()  # a no-op except at the accumulation boundary
+        return float(loss.detach())
+
+    def step(self):
+        pass
+
+    def roots(self):
+        return (self.engine.module, self.optimizer)
+
+    def close(self):
+        with contextlib.suppress(Exception):
+            self.engine.destroy()
+
+
+class FsdpSystem(System):
+    def __init__(self, model, hybrid: bool, args):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        n, m = dist.get_world_size(), args.group_size
+        if hybrid:
+            mesh = init_device_mesh("cpu", (n // m, m), mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("shard",))
+        for block in model.transformer.h:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        self.model, self.hybrid = model, hybrid
+        self.optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+
+    def micro(self, ids, last, s):
+        if self.hybrid:
+            # HSDP = III: reduce-scatter inside the group every micro-step, all-reduce across groups once.
+            self.model.set_requires_all_reduce(last)
+        loss = self.model(input_ids=ids, labels=ids).loss
+        (loss / s).backward()
+        return float(loss.detach())
+
+    def step(self):
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def roots(self):
+        return (self.model, self.optimizer)
+
+
+class ComputeOnly(System):
+    """The compute floor: the full model trained locally (no communication, no synchronisation)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+
+    def micro(self, ids, last, s):
+        loss = self.model(input_ids=ids, labels=ids).loss
+        (loss / s).backward()
+        return float(loss.detach())
+
+    def step(self):
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def roots(self):
+        return (self.model, self.optimizer)
+
+
+def make_system(name: str, args, topology) -> System:
+    kind, _, what = name.partition(":")
+    model = build_model(args)
+    if kind == "paro":
+        return ParoSystem(model, what.upper(), args, topology)
+    if kind == "ds":
+        return DeepSpeedSystem(model, int(what), args)
+    if kind == "fsdp2":
+        return FsdpSystem(model, what == "hybrid", args)
+    if kind == "compute":
+        return ComputeOnly(model)
+    raise ValueError(f"unknown configuration {name!r}: use paro:<XYZ>, ds:<1|2|3>, fsdp2:<full|hybrid> or compute")
+
+
+def calibrate(topology, reps: int = 5) -> dict:
+    """Time all-gather, reduce-scatter and all-reduce on the intra and the inter groups at two sizes (all groups of
+    a kind at once, as in training) and fit ``t = latency + formula_bytes / bandwidth`` per link from the all-gather;
+    the reduce-scatter and all-reduce factors are their times over that fit at the large size. These are the
+    guideline's calibrated constants; they never look at a training run."""
+    from paro_zero_backend.collectives import _all_gather_single, _reduce_scatter_single
+
+    sizes = (1 << 14, 1 << 21)
+    out = {}
+    for link, group, k in (("intra", topology.intra_group, topology.group_size),
+                           ("inter", topology.inter_group, topology.num_groups)):
+        times: dict[str, list[float]] = {"all_gather": [], "reduce_scatter": [], "all_reduce": []}
+        for numel in sizes:
+            full = torch.randn(numel)
+            shard = torch.empty(numel // k)
+            ops = {"all_gather": lambda f=full, h=shard, g=group: _all_gather_single(f, h, group=g),
+                   "reduce_scatter": lambda f=full, h=shard, g=group: _reduce_scatter_single(
+                       h, f, op=dist.ReduceOp.SUM, group=g),
+                   "all_reduce": lambda f=full, g=group: dist.all_reduce(f, group=g)}
+            for op, fn in ops.items():
+                fn()
+                ts = []
+                for _ in range(reps):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    fn()
+                    ts.append(time.perf_counter() - t0)
+                t = torch.tensor(sorted(ts)[len(ts) // 2], dtype=torch.float64)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                times[op].append(float(t))
+        nbytes = [(k - 1) / k * x * 4 for x in sizes]
+        ag = times["all_gather"]
+        bw = (nbytes[1] - nbytes[0]) / max(ag[1] - ag[0], 1e-9)
+        lat = max(ag[0] - nbytes[0] / bw, 0.0)
+        model = lat + nbytes[1] / bw
+        out[link] = {"bandwidth_mb_s": bw / 1e6, "latency_s": lat, "times_s": times, "sizes": list(sizes),
+                     "reduce_scatter_factor": (times["reduce_scatter"][1] - lat) / (model - lat),
+                     "all_reduce_factor": (times["all_reduce"][1] - lat) / (2 * nbytes[1] / bw)}
+    return out
+
+
+def run_config(name: str, args, topology, iface: str | None) -> dict:
+    rank = dist.get_rank()
+    system = make_system(name, args, topology)
+    s = args.accumulation
+    times, opt_times, losses = [], [], []
+    inter0 = intra0 = 0
+    cpu0 = 0.0
+    mem_box: list[int] = []
+
+    def probe() -> None:
+        mem_box.append(state_bytes(*system.roots()))
+
+    for step in range(args.warmup + args.steps + 1):
+        measure = step == args.warmup + args.steps  # untimed: the memory probe walks the object graph
+        if measure:
+            system.probe = probe
+        if step == args.warmup:
+            inter0, intra0, cpu0 = link_bytes(iface), link_bytes("lo" if iface else None), time.process_time()
+        local_compute = name == "compute"
+        if not local_compute:
+            dist.barrier()
+        t0 = time.perf_counter()
+        total = 0.0
+        for k in range(s):
+            total += system.micro(batch(args, step, k, rank), k == s - 1, s) / s
+        if measure and not isinstance(system, DeepSpeedSystem):
+            probe()
+        if measure:
+            system.step()
+            break
+        t1 = time.perf_counter()
+        system.step()
+        dt = time.perf_counter() - t0
+        if step >= args.warmup:
+            times.append(dt)
+            opt_times.append(time.perf_counter() - t1)
+            losses.append(total)
+        if step == args.warmup + args.steps - 1:
+            inter1, intra1, cpu1 = link_bytes(iface), link_bytes("lo" if iface else None), time.process_time()
+    mem = mem_box[0]
+    extra = {}
+    if name.startswith("paro:"):
+        extra["engine_memory_bytes"] = system.engine.memory_bytes()
+        extra["strategy"] = str(system.engine.strategy)
+        extra["num_buckets"] = len(system.engine.buckets)
+        extra["engine_bytes_per_step"] = system.engine.last_step_bytes
+    vec = torch.tensor(times + opt_times + [mem, cpu1 - cpu0], dtype=torch.float64)
+    dist.all_reduce(vec, op=dist.ReduceOp.MAX)
+    sums = torch.tensor([float(inter1 - inter0), float(intra1 - intra0), cpu1 - cpu0], dtype=torch.float64)
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+    system.close()
+    gc.collect()
+    k = args.steps
+    out = {"config": name, "step_times_s": vec[:k].tolist(), "optimizer_times_s": vec[k:2 * k].tolist(),
+           "model_state_bytes_max": int(vec[2 * k]), "cpu_s_max_rank": float(vec[2 * k + 1]),
+           "cpu_s_all_ranks": float(sums[2]), "losses": losses}
+    # Totals over the cluster. Every rank of a node reads its namespace's counters (divide by m); a byte crossing
+    # the veth pair is tx on one end and rx on the other, a loopback byte is both tx and rx of lo (divide by 2).
+    m = args.group_size
+    out["inter_node_bytes_per_step"] = float(sums[0]) / m / 2 / k if iface else None
+    out["intra_node_bytes_per_step"] = float(sums[1]) / m / 2 / k if iface else None
+    out.update(extra)
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--configs", default="", help="comma-separated configurations")
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=192)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--accumulation", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=None)
+    p.add_argument("--bucket-size", type=int, default=50_000_000, help="PaRO engine bucket cap (one per block)")
+    p.add_argument("--ds-bucket-size", type=int, default=1_000_000, help="DeepSpeed reduce/all-gather buckets")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--calibrate", action="store_true", help="time the collectives per link first (PARO_CALIB line)")
+    args = p.parse_args(argv)
+    args.group_size = args.group_size or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    rank = dist.get_rank()
+    from hf_placement import build_topology
+
+    topology = build_topology(group_size=args.group_size, timeout_s=600.0)
+    if any(c.startswith("ds:") for c in args.configs.split(",")):
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=600))
+    iface = os.environ.get("GLOO_SOCKET_IFNAME")
+    if rank == 0:
+        model = build_model(args)
+        print("PARO_MODEL " + json.dumps({"params": sum(p.numel() for p in model.parameters())}), flush=True)
+        del model
+    if args.calibrate:
+        cal = calibrate(topology)
+        if rank == 0:
+            print("PARO_CALIB " + json.dumps(cal), flush=True)
+    for name in [c for c in args.configs.split(",") if c]:
+        res = run_config(name, args, topology, iface)
+        if rank == 0:
+            print("PARO_BENCH " + json.dumps(res), flush=True)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    main()
