@@ -39,6 +39,7 @@ __all__ = ["ParoSection", "DeepSpeedTrainingSpec", "DeepSpeedStyleEngine", "PERF
 logger = logging.getLogger(__name__)
 
 PARO_KEY = "paro"
+_DS_DEFAULT_CLIPPING = 1.0  # deepspeed.runtime.constants.GRADIENT_CLIPPING_DEFAULT
 _TOP_LEVEL = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",
               "scheduler", "fp16", "bf16", "gradient_clipping", "zero_optimization"}
 # Scheduling/logging knobs of DeepSpeed itself: no effect on the numbers, no PaRO counterpart.
@@ -234,7 +235,7 @@ def paro_config_from_deepspeed(config: str | os.PathLike | dict[str, Any], world
     elif bf16.get("enabled"):
         kwargs["mixed_precision"] = "bf16"
 
-    clip = cfg.get("gradient_clipping")
+    clip = cfg.get("gradient_clipping", _DS_DEFAULT_CLIPPING)  # DeepSpeed clips at 1.0 unless told otherwise
     if clip:
         kwargs["max_grad_norm"] = float(clip)
 
