@@ -30,6 +30,7 @@ batch ``u``; PPO's importance ratio against the sampler's log-probs corrects for
 
 from __future__ import annotations
 
+import itertools
 import time
 from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any
@@ -263,6 +264,7 @@ class DisaggregatedExecutor(_Executor):
     """
 
     strategy = "disaggregated"
+    _instances = itertools.count()
 
     def __init__(self, trainer: PPOTrainer, plan: PlacementPlan, timeout_s: float, role_groups: Any,
                  weight_sync: str = "broadcast", bucket_bytes: int = 100 * 2**20, max_staleness: int = 0):
@@ -291,6 +293,9 @@ class DisaggregatedExecutor(_Executor):
                                      **kwargs_actor)
         self.critic_sync = WeightSync(value, src, self.infer_ranks, **kwargs_critic)
         self._channels: dict[int, Channel] = {}
+        # Channels are told apart by a tag hashed from their name: number the executors of this process (created in
+        # the same order on every rank) so that two disaggregated trainers in one job never read each other's shards.
+        self._instance = next(DisaggregatedExecutor._instances)
         self._ref_fn, self._reward_fn = ref_logprobs_fn(trainer), reward_scores_fn(trainer)
 
     @property
@@ -313,7 +318,7 @@ class DisaggregatedExecutor(_Executor):
         if peer not in self._channels:
             gen, trn = (self.rank, peer) if self.is_inference else (peer, self.rank)
             # up to two iterations of shards stay in flight (staleness 1 sends batch u + 1 before u is taken)
-            self._channels[peer] = Channel(peer, f"ppo:experience:{gen}->{trn}", self.timeout_s,
+            self._channels[peer] = Channel(peer, f"ppo{self._instance}:experience:{gen}->{trn}", self.timeout_s,
                                            max_in_flight=2 * self.world)
         return self._channels[peer]
 

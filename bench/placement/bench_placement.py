@@ -1,0 +1,398 @@
+"""PPO placement benchmark on CPU gloo ranks, with the protocol of `rlhf_placement.md` §4.5.
+
+    .venv/bin/python bench/placement/bench_placement.py            # full sweep, writes bench/results/placement.json
+    .venv/bin/python bench/placement/bench_placement.py --quick    # two small configurations (smoke run)
+
+Protocol:
+
+- pre-flight: load average and the parallel efficiency of two single-thread matmul processes
+  (`hf_placement.calibrate.parallel_efficiency`), stated with the results; each rank is pinned to its own core;
+- fixed budget: 2 processes, 1 torch thread each, the same global batch, micro-batches, response length (no stop
+  token: every strategy generates exactly ``response_length`` tokens), PPO epochs and seeds for every strategy;
+- all strategies live in the same two processes and run their iterations interleaved (A B C D, D C B A, ...) so
+  drift hits them alike; 1 warm-up round, then medians (and IQR) of >= 5 timed iterations;
+- strategies: ``colocated`` (TRL: every model on every rank, data parallel), ``interleaved`` (ref on rank 0, reward
+  on rank 1), ``disaggregated`` (trainer rank 0, generator rank 1, synchronous: staleness 0, same update as
+  colocated) and ``disaggregated-async`` (staleness 1: the next batch is generated while this one trains);
+- memory cap: a per-rank model-state budget (``cap_phi`` x parameters of one model, fp32 + Adam). A strategy whose
+  plan does not fit shards its models ZeRO-3-style inside its group (`hf_placement.ShardedModule`): with the cap
+  between 36 and 40 Φ only All-colocated must shard (40 Φ unsharded vs 36 Φ interleaved, 32 Φ / 16 Φ disaggregated);
+- reported per strategy: samples/s, per-phase seconds and idle seconds per rank, analytic and measured model-state
+  bytes per rank, parameter bytes all-gathered per iteration;
+- planner check: `hf_placement.cost_model.estimate` with the CPU constant set, link constants measured by
+  `hf_placement.calibrate.measure_links`, the measured parallel efficiency, and phase times measured on ONE process
+  for the whole batch (`Calibration`; never the placed runs), predicts every configuration's iteration time; the
+  summary gives the maximum relative error and the regret of the planner's pick per configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+PROMPT_LEN = 8
+STRATEGIES = ("colocated", "interleaved", "disaggregated", "disaggregated-async")
+
+# One axis at a time around a base point, then the memory-capped regime at two model sizes.
+FULL_CONFIGS = [
+    {"name": "base", "n_layer": 2, "n_embd": 128, "batch": 16, "response": 16, "cap_phi": None},
+    {"name": "long-response", "n_layer": 2, "n_embd": 128, "batch": 16, "response": 48, "cap_phi": None},
+    {"name": "large-batch", "n_layer": 2, "n_embd": 128, "batch": 48, "response": 16, "cap_phi": None},
+    {"name": "large-model", "n_layer": 4, "n_embd": 384, "batch": 16, "response": 16, "cap_phi": None},
+    {"name": "capped-base", "n_layer": 2, "n_embd": 128, "batch": 16, "response": 16, "cap_phi": 38},
+    {"name": "capped-large-model", "n_layer": 4, "n_embd": 384, "batch": 16, "response": 16, "cap_phi": 38},
+    {"name": "capped-xl-model", "n_layer": 6, "n_embd": 512, "batch": 8, "response": 16, "cap_phi": 38},
+]
+QUICK_CONFIGS = [
+    {"name": "base", "n_layer": 2, "n_embd": 64, "batch": 8, "response": 8, "cap_phi": None},
+    {"name": "capped-base", "n_layer": 2, "n_embd": 64, "batch": 8, "response": 8, "cap_phi": 38},
+]
+
+
+# ---------------------------------------------------------------------------------------------------- building
+def _parts(cfg: dict[str, Any]):
+    from trl_trainers.testing import char_tokenizer, prompt_dataset, tiny_causal_lm, tiny_value_model
+
+    tok = char_tokenizer()
+    n = len(tok)
+    kw = {"n_layer": cfg["n_layer"], "n_embd": cfg["n_embd"], "n_positions": PROMPT_LEN + cfg["response"] + 8}
+    models = {"policy": tiny_causal_lm(n, 0, **kw), "value": tiny_value_model(n, 1, **kw),
+              "reward": tiny_value_model(n, 2, **kw)}
+    data = prompt_dataset(tok, 4 * cfg["batch"], min_len=PROMPT_LEN, max_len=PROMPT_LEN)
+    return tok, models, data
+
+
+def _args(cfg: dict[str, Any], out: str, world: int, rounds: int, max_staleness: int = 0):
+    from trl_trainers import PPOConfig
+
+    per_device = cfg["batch"] // world
+    return PPOConfig(
+        output_dir=out, per_device_train_batch_size=per_device, gradient_accumulation_steps=1, num_mini_batches=2,
+        num_ppo_epochs=2, response_length=cfg["response"], learning_rate=1e-4, total_episodes=cfg["batch"] * rounds,
+        bf16=False, report_to="none", disable_tqdm=True, temperature=1.0, num_sample_generations=0,
+        save_strategy="no", gradient_checkpointing=False, seed=3, stop_token=None, loss_normalization="mini_batch",
+        local_rollout_forward_batch_size=max(1, cfg["batch"] // 4), placement_timeout_s=900.0,
+        max_staleness=max_staleness, use_cpu=True,
+    )
+
+
+def _plan(strategy: str, world: int, cap_bytes: float | None, phi: float):
+    """The plan of ``strategy``; under a cap, a plan that does not fit shards its models inside its groups."""
+    from hf_placement import PlacementPlan, shard_verdict
+
+    if strategy == "colocated":
+        plan = PlacementPlan.colocated(world)
+    elif strategy == "interleaved":
+        plan = PlacementPlan.interleaved(world)
+    else:
+        plan = PlacementPlan.disaggregated(world)
+    if cap_bytes is not None:
+        verdict = shard_verdict(plan, {"actor": phi}, cap_bytes)
+        if verdict.must_shard:
+            if strategy != "colocated":
+                raise ValueError(f"{strategy} does not fit the cap {cap_bytes:.3g} B; this benchmark shards only "
+                                 "All-colocated. Raise cap_phi.")
+            plan = PlacementPlan.colocated(world, sharded=True)
+    return plan
+
+
+def _count_params(cfg: dict[str, Any]) -> int:
+    _, models, _ = _parts(cfg)
+    return sum(p.numel() for p in models["policy"].parameters())
+
+
+# ---------------------------------------------------------------------------------------------------- ranks
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total
+
+
+def _bench_rank(rank: int, world: int, cfg: dict[str, Any], out_dir: str, warmup: int, iters: int,
+                cap_bytes: float | None, phi: float) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from hf_placement import is_wait, model_state_bytes, resident_bytes
+    from trl_trainers import PPOTrainer
+
+    torch.set_num_threads(1)
+    try:
+        os.sched_setaffinity(0, {rank % os.cpu_count()})
+    except (AttributeError, OSError):
+        pass
+    rounds = warmup + iters
+    trainers = {}
+    for strategy in STRATEGIES:
+        tok, models, data = _parts(cfg)
+        plan = _plan(strategy, world, cap_bytes, phi)
+        args = _args(cfg, f"{out_dir}/{strategy}", world, rounds, int(strategy == "disaggregated-async"))
+        t = PPOTrainer(args, tok, models["policy"], None, models["reward"], data, models["value"], placement=plan)
+        t.callback_handler.callbacks = []
+        trainers[strategy] = t
+    res: dict[str, Any] = {s: {"iter_s": [], "phases": [], "idle_s": []} for s in STRATEGIES}
+    for i in range(rounds):
+        order = STRATEGIES if i % 2 == 0 else tuple(reversed(STRATEGIES))
+        for strategy in order:
+            t = trainers[strategy]
+            first = len(t.timeline.events)
+            dist.barrier()
+            t0 = time.perf_counter()
+            t.training_iteration(i + 1)
+            dist.barrier()
+            wall = time.perf_counter() - t0
+            if i < warmup:
+                continue
+            events = t.timeline.events[first:]
+            busy = _union([(e.start, e.end) for e in events if not is_wait(e.phase)])
+            res[strategy]["iter_s"].append(wall)
+            res[strategy]["phases"].append(dict(t.last_timings))
+            res[strategy]["idle_s"].append(max(0.0, wall - busy))
+    for strategy, t in trainers.items():
+        t.executor.finish(rounds + 1)
+        gathered = t.executor.bytes_gathered() if hasattr(t.executor, "bytes_gathered") else 0
+        analytic = model_state_bytes(t.plan, {"actor": phi}).rank_bytes(rank)
+        held = resident_bytes([t.model.policy, t.model.value_model, t.ref_model, t.reward_model], t.optimizer)
+        res[strategy].update(plan=t.plan.to_dict(), analytic_bytes=analytic, resident_bytes=held,
+                             gathered_bytes_per_iter=gathered / rounds, trains=t.is_training_rank)
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------- single process
+def _calibrate_phases(cfg: dict[str, Any], out_dir: str) -> dict[str, float]:
+    """Generation, experience forwards and training of the WHOLE batch on one process (the planner's Calibration)."""
+    from trl_trainers import PPOTrainer
+
+    torch.set_num_threads(1)
+    tok, models, data = _parts(cfg)
+    args = _args(cfg, out_dir, 1, 3)
+    args.local_rollout_forward_batch_size = max(1, cfg["batch"] // 4)
+    t = PPOTrainer(args, tok, models["policy"], None, models["reward"], data, models["value"])
+    t.callback_handler.callbacks = []
+    times: dict[str, list[float]] = {"generate_s": [], "inference_s": [], "train_s": []}
+    for update in (1, 2, 3):
+        queries, seeds = t.local_batch(update)
+        t0 = time.perf_counter()
+        rollout = t.rollout(queries, seeds)
+        t1 = time.perf_counter()
+        scored = t.score_rollout(rollout)
+        t2 = time.perf_counter()
+        exp = t.make_experience(rollout)
+        t3 = time.perf_counter()
+        t.train_on_experience(exp, update)
+        t4 = time.perf_counter()
+        if update > 1:  # the first round warms up allocations
+            times["generate_s"].append(t1 - t0)
+            times["inference_s"].append(t2 - t1)
+            times["train_s"].append(t4 - t3)
+        del scored
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _predict(cfg: dict[str, Any], plans: dict[str, dict], phi: float, cal: dict[str, float], links: dict[str, float],
+             efficiency: float, cap_bytes: float | None) -> dict[str, dict[str, Any]]:
+    from hf_placement import Calibration, Hardware, PlacementPlan, Workload, estimate
+
+    hw = Hardware.cpu(2, link_bandwidth=links["bandwidth"], link_latency_s=links["latency"],
+                      memory_cap_bytes=cap_bytes, parallel_efficiency=min(1.0, efficiency))
+    out = {}
+    for strategy, plan_dict in plans.items():
+        staleness = 1 if strategy == "disaggregated-async" else 0
+        wl = Workload(actor_params=phi, batch_size=cfg["batch"], prompt_len=PROMPT_LEN, response_len=cfg["response"],
+                      ppo_epochs=2, micro_batches=2, max_staleness=staleness)
+        est = estimate(PlacementPlan.from_dict(plan_dict), wl, hw, Calibration(**cal), name=strategy)
+        out[strategy] = {"time_s": est.time_s, "phases": est.phases, "fits": est.fits}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- main
+def _iqr(values: list[float]) -> float:
+    if len(values) < 2:
+        return 0.0
+    q = statistics.quantiles(values, n=4)
+    return q[2] - q[0]
+
+
+def preflight(seconds: float) -> dict[str, Any]:
+    from hf_placement.calibrate import parallel_efficiency
+
+    load = os.getloadavg()
+    eff = parallel_efficiency(2, seconds=seconds)
+    flagged = eff["efficiency"] < 0.85 or load[0] > 1.0
+    print(f"pre-flight: load average {load[0]:.2f}/{load[1]:.2f}/{load[2]:.2f}, cpus {os.cpu_count()}, two "
+          f"single-thread processes run at {eff['efficiency']:.2f} of 2x one process (speed-up {eff['speedup']:.2f})"
+          + ("  [FLAGGED: the machine is not two free cores; wall-clock ratios are biased against strategies that "
+             "keep both ranks busy]" if flagged else ""))
+    return {"loadavg": list(load), "cpus": os.cpu_count(), **eff, "flagged": flagged}
+
+
+def measure_link_constants() -> dict[str, float]:
+    from hf_placement.calibrate import measure_links
+
+    links = measure_links(2, sizes=(1 << 10, 8 << 20), repeats=3)
+    latency = links["fit"]["p2p"]["latency_s"]
+    bandwidth = links["fit"]["all_gather"]["bandwidth"]  # the collective sharded plans pay on every forward
+    return {"latency": latency, "bandwidth": bandwidth, "raw": links}
+
+
+def run(configs: list[dict[str, Any]], warmup: int, iters: int, out_path: Path, eff_seconds: float) -> dict:
+    import tempfile
+
+    from hf_placement import compare_to_measured, run_distributed
+
+    start = time.perf_counter()
+    pre = preflight(eff_seconds)
+    links = measure_link_constants()
+    print(f"links (gloo, loopback): latency {links['latency'] * 1e3:.2f} ms, all-gather bandwidth "
+          f"{links['bandwidth'] / 1e9:.2f} GB/s")
+    results = []
+    for cfg in configs:
+        phi = float(_count_params(cfg))
+        cap = cfg["cap_phi"] * phi if cfg["cap_phi"] else None
+        with tempfile.TemporaryDirectory() as tmp:
+            cal = _calibrate_phases(cfg, f"{tmp}/cal")
+            ranks = run_distributed(_bench_rank, 2, cfg, tmp, warmup, iters, cap, phi, timeout=1800)
+        entry: dict[str, Any] = {"config": {**cfg, "params_per_model": phi, "cap_bytes": cap,
+                                            "prompt_len": PROMPT_LEN},
+                                 "calibration": cal, "strategies": {}}
+        for s in STRATEGIES:
+            # iteration wall time = max over ranks of the barrier-to-barrier time (equal up to barrier skew)
+            walls = [max(r[s]["iter_s"][i] for r in ranks) for i in range(iters)]
+            med = statistics.median(walls)
+            phase_names = sorted({p for r in ranks for it in r[s]["phases"] for p in it})
+            per_rank = []
+            for r in ranks:
+                per_rank.append({
+                    "phases_s": {p: statistics.median([it.get(p, 0.0) for it in r[s]["phases"]]) for p in phase_names},
+                    "idle_s": statistics.median(r[s]["idle_s"]), "analytic_model_state_bytes": r[s]["analytic_bytes"],
+                    "resident_model_state_bytes": r[s]["resident_bytes"],
+                    "gathered_bytes_per_iter": r[s]["gathered_bytes_per_iter"], "trains": r[s]["trains"]})
+            entry["strategies"][s] = {
+                "iter_s_median": med, "iter_s_iqr": _iqr(walls), "iter_s": walls,
+                "samples_per_s": cfg["batch"] / med, "tokens_per_s": cfg["batch"] * cfg["response"] / med,
+                "plan": ranks[0][s]["plan"], "sharded": bool(ranks[0][s]["plan"]["sharded_roles"]),
+                "ranks": per_rank}
+        plans = {s: entry["strategies"][s]["plan"] for s in STRATEGIES}
+        entry["predicted"] = _predict(cfg, plans, phi, cal, links, pre["efficiency"], cap)
+        measured = {s: entry["strategies"][s]["iter_s_median"] for s in STRATEGIES}
+        entry["planner"] = compare_to_measured({s: entry["predicted"][s]["time_s"] for s in STRATEGIES}, measured)
+        col = entry["strategies"]["colocated"]["samples_per_s"]
+        entry["vs_colocated"] = {s: entry["strategies"][s]["samples_per_s"] / col for s in STRATEGIES}
+        results.append(entry)
+        _print_config(entry)
+        report = _report(results, pre, links, warmup, iters, start, complete=len(results) == len(configs))
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(report, indent=1, default=float))  # after every configuration
+    _print_summary(report["summary"], out_path)
+    return report
+
+
+def _report(results: list[dict], pre: dict, links: dict, warmup: int, iters: int, start: float,
+            complete: bool) -> dict[str, Any]:
+    import transformers
+
+    capped = [e for e in results if e["config"]["cap_phi"]]
+    uncapped = [e for e in results if not e["config"]["cap_phi"]]
+    others = [s for s in STRATEGIES if s != "colocated"]
+    summary = {
+        "capped_best_vs_colocated": max((max(e["vs_colocated"][s] for s in others) for e in capped), default=None),
+        "capped_best_vs_colocated_per_config": {e["config"]["name"]: max(e["vs_colocated"][s] for s in others)
+                                                for e in capped},
+        "uncapped_worst_vs_colocated": min((min(e["vs_colocated"][s] for s in others) for e in uncapped),
+                                           default=None),
+        "uncapped_worst_vs_colocated_sync_only": min(
+            (min(e["vs_colocated"][s] for s in ("interleaved", "disaggregated")) for e in uncapped), default=None),
+        "planner_max_rel_error": max(e["planner"]["max_rel_error"] for e in results),
+        "planner_pick_regret": max(e["planner"]["pick_regret"] for e in results),
+        "interleaved_fewer_model_state_bytes": all(
+            max(r["analytic_model_state_bytes"] for r in e["strategies"]["interleaved"]["ranks"])
+            < max(r["analytic_model_state_bytes"] for r in e["strategies"]["colocated"]["ranks"])
+            for e in uncapped),
+        "parallel_efficiency": pre["efficiency"],
+        "preflight_flagged": pre["flagged"],
+        "wall_s": time.perf_counter() - start,
+        "complete": complete,
+    }
+    report = {
+        "summary": summary,
+        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
+                    "torch": torch.__version__, "transformers": transformers.__version__,
+                    "processor": platform.processor()},
+        "preflight": pre, "links": {k: v for k, v in links.items() if k != "raw"}, "links_raw": links["raw"],
+        "protocol": {"processes": 2, "threads_per_process": 1, "warmup_rounds": warmup, "timed_iterations": iters,
+                     "order": "interleaved A B C D / D C B A", "ppo_epochs": 2, "num_mini_batches": 2,
+                     "prompt_len": PROMPT_LEN, "stop_token": None, "strategies": list(STRATEGIES)},
+        "configs": results,
+    }
+    return report
+
+
+def _print_config(e: dict[str, Any]) -> None:
+    c = e["config"]
+    cap = f"cap {c['cap_phi']} Φ = {c['cap_bytes'] / 1e6:.1f} MB" if c["cap_phi"] else "no cap"
+    print(f"\n== {c['name']}: {c['params_per_model'] / 1e6:.2f} M params/model, batch {c['batch']}, response "
+          f"{c['response']}, {cap}")
+    print(f"{'strategy':<21}{'iter s':>8}{'IQR':>7}{'pred s':>8}{'samples/s':>10}{'vs col':>7}  "
+          f"{'state MB r0/r1':>15}{'gathered MB':>12}  phases r0 | r1 (s), idle r0/r1")
+    for s, v in e["strategies"].items():
+        r0, r1 = v["ranks"]
+        ph = " | ".join(", ".join(f"{k} {x:.2f}" for k, x in r["phases_s"].items() if x >= 0.01) for r in (r0, r1))
+        name = s + (" (sharded)" if v["sharded"] else "")
+        print(f"{name:<21}{v['iter_s_median']:>8.2f}{v['iter_s_iqr']:>7.2f}{e['predicted'][s]['time_s']:>8.2f}"
+              f"{v['samples_per_s']:>10.2f}{e['vs_colocated'][s]:>7.2f}  "
+              f"{r0['analytic_model_state_bytes'] / 1e6:>7.1f}/{r1['analytic_model_state_bytes'] / 1e6:<7.1f}"
+              f"{(r0['gathered_bytes_per_iter']) / 1e6:>12.1f}  {ph}; idle {r0['idle_s']:.2f}/{r1['idle_s']:.2f}")
+    p = e["planner"]
+    print(f"planner: pick {p['pick']}, measured best {p['measured_best']}, regret {p['pick_regret']:.1%}, max rel "
+          f"error {p['max_rel_error']:.1%}")
+
+
+def _print_summary(summary: dict[str, Any], out_path: Path) -> None:
+    print("\nsummary:")
+    for k, v in summary.items():
+        if isinstance(v, dict):
+            v = ", ".join(f"{a} {b:.2f}" for a, b in v.items())
+        elif isinstance(v, float):
+            v = f"{v:.3f}"
+        print(f"  {k}: {v}")
+    print(f"wrote {out_path}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="two small configurations (smoke run)")
+    parser.add_argument("--warmup", type=int, default=1, help="warm-up rounds (not timed)")
+    parser.add_argument("--iters", type=int, default=5, help="timed iterations per strategy (>= 5 for the protocol)")
+    parser.add_argument("--only", nargs="*", help="run only these configuration names")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "placement.json")
+    parser.add_argument("--efficiency-seconds", type=float, default=2.0, help="duration of the pre-flight loops")
+    ns = parser.parse_args(argv)
+    if ns.iters < 1 or ns.warmup < 0:
+        parser.error("--iters must be >= 1 and --warmup >= 0")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
+    configs = QUICK_CONFIGS if ns.quick else FULL_CONFIGS
+    if ns.only:
+        configs = [c for c in configs if c["name"] in ns.only]
+        if not configs:
+            parser.error(f"--only matched no configuration; names: {[c['name'] for c in FULL_CONFIGS]}")
+    run(configs, ns.warmup, ns.iters, ns.out, ns.efficiency_seconds)
+
+
+if __name__ == "__main__":
+    main()
