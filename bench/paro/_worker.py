@@ -314,37 +314,35 @@ def run_config(name: str, args, topology, iface: str | None) -> dict:
     inter0 = intra0 = 0
     cpu0 = 0.0
     mem_box: list[int] = []
+    probe_s: list[float] = []
 
     def probe() -> None:
+        t = time.perf_counter()
         mem_box.append(state_bytes(*system.roots()))
+        probe_s.append(time.perf_counter() - t)
 
-    for step in range(args.warmup + args.steps + 1):
-        measure = step == args.warmup + args.steps  # untimed: the memory probe walks the object graph
-        if measure:
+    last = args.warmup + args.steps - 1
+    for step in range(args.warmup + args.steps):
+        if step == last:  # the memory probe runs in the last timed step; its own duration is subtracted
             system.probe = probe
         if step == args.warmup:
             inter0, intra0, cpu0 = link_bytes(iface), link_bytes("lo" if iface else None), time.process_time()
-        local_compute = name == "compute"
-        if not local_compute:
+        if name != "compute":
             dist.barrier()
         t0 = time.perf_counter()
         total = 0.0
         for k in range(s):
             total += system.micro(batch(args, step, k, rank), k == s - 1, s) / s
-        if measure and not isinstance(system, DeepSpeedSystem):
+        if step == last and not isinstance(system, DeepSpeedSystem):
             probe()
-        if measure:
-            system.step()
-            break
         t1 = time.perf_counter()
         system.step()
-        dt = time.perf_counter() - t0
+        dt = time.perf_counter() - t0 - (sum(probe_s) if step == last else 0.0)
         if step >= args.warmup:
             times.append(dt)
             opt_times.append(time.perf_counter() - t1)
             losses.append(total)
-        if step == args.warmup + args.steps - 1:
-            inter1, intra1, cpu1 = link_bytes(iface), link_bytes("lo" if iface else None), time.process_time()
+    inter1, intra1, cpu1 = link_bytes(iface), link_bytes("lo" if iface else None), time.process_time()
     mem = mem_box[0]
     extra = {}
     if name.startswith("paro:"):
