@@ -142,7 +142,9 @@ class AntDTAgent(TrainerCallback, ExportableState):
         if meta is None:
             raise AntDTError("no AntDT batch metadata for this step: the Trainer must be an AntDTTrainerMixin.")
         ds.current_meta = None
-        ds.settle(meta)  # is this the last batch on every rank? (finishes the lookahead's all-reduce)
+        t_settle = time.perf_counter()
+        ds.settle(meta)  # is this the last batch on every rank? (finishes the lookahead's all-reduce, collates it)
+        settle_s = time.perf_counter() - t_settle
         metrics = None
         if meta.local_samples > 0 and meta.compute_s > 0:
             metrics = {"step": int(state.global_step), "samples": meta.local_samples, "compute_s": meta.compute_s}
@@ -151,7 +153,7 @@ class AntDTAgent(TrainerCallback, ExportableState):
         entry = {"step": int(state.global_step), "batch_size": meta.local_samples,
                  "global_batch": meta.global_samples, "compute_s": meta.compute_s, "step_s": step_s,
                  "sync_wait_s": meta.sync_wait_s, "fetch_s": meta.fetch_s, "data_wait_s": meta.wait_s,
-                 "collective_s": meta.collective_s, "plan_version": ds.plan_version}
+                 "collective_s": meta.collective_s, "settle_s": settle_s, "plan_version": ds.plan_version}
         self.history.append(entry)
         if meta.last:
             control.should_training_stop = True
@@ -166,8 +168,10 @@ class AntDTAgent(TrainerCallback, ExportableState):
             self.last_checkpoint_id = int(state.global_step)
         self.steps += 1
         self._last_end = time.perf_counter()
-        entry["agent_s"] = self._last_end - t0
-        self.overhead_s += self._last_end - t0
+        # The Agent's own share of the step (queueing the ack, the plan, checkpoint commits), without `settle`,
+        # which is the data path's lookahead (reported as fetch time).
+        entry["agent_s"] = self._last_end - t0 - settle_s
+        self.overhead_s += entry["agent_s"]
 
     def on_save(self, args, state, control, **kwargs):
         if self._exit_after_save:

@@ -211,10 +211,12 @@ class AgentConfig(_DictMixin):
         url (`str`, *optional*): service address ``http://host:port``; defaults to ``$ANTDT_SERVICE_URL``.
         token (`str`, *optional*): shared token; defaults to ``$ANTDT_TOKEN``.
         prefetch_batches (`int`, *optional*, defaults to 2): a rank leases ahead until it holds this many of its
-            own current batches (so a rank given a small batch does not hoard data).
+            own current batches (so a rank given a small batch does not hoard data). Refills ask for one batch more
+            and ride on the step's ack (one round trip per step); a prefetch thread is the fallback.
         prefetch_shards (`int`, *optional*, defaults to 8): at most this many shards leased ahead (more only when
             they are short tails that do not fill one batch).
-        heartbeat_s (`float`, *optional*): lease renewal period; defaults to a third of the job's lease TTL.
+        heartbeat_s (`float`, *optional*): lease renewal period; defaults to a third of the job's lease TTL. An
+            accepted ack renews all of the worker's leases, so the heartbeat only sends when acks stop (stalls).
         request_timeout_s (`float`, *optional*, defaults to 10): socket timeout of one request.
         retry_timeout_s (`float`, *optional*, defaults to 60): how long a request is retried while the service is
             unreachable (a restarted service is picked up again) before `ServiceUnavailableError`.

@@ -18,8 +18,10 @@ work, and with 4 ranks on 2 cores it is oversubscribed, so each rank's rate depe
 Throughput = samples / wall time between the end of step ``warmup`` and the last step (Trainer start-up excluded).
 The per-rank breakdown (medians over steady-state steps) says where a DD step goes: local compute (forward start to
 last gradient bucket ready), all-reduce wait (bucket ready to gradients reduced: waiting for the slowest rank), data
-fetch (blocked on leases + the stop-together all-reduce + collate), the Agent's ``on_step_end`` and the rest
-(optimizer, Trainer). RPC overhead = (time blocked on leases + Agent ``on_step_end``) / step time, steady state.
+fetch (blocked on leases + waiting for the stop-together all-reduce + cutting and collating, including the lookahead
+finished at the step's end), the Agent's ``on_step_end`` (queueing the ack, adopting a plan) and the rest (optimizer,
+Trainer). RPC overhead = (time blocked on leases + the Agent's ``on_step_end``) / step time, steady state: the time
+the training thread spends on the service (the requests themselves run on background threads).
 Run: ``.venv/bin/python bench/antdt/bench_antdt.py`` (about 5 minutes on an idle 2-core box).
 """
 
@@ -114,6 +116,8 @@ def breakdown(rep: dict, warmup: int) -> dict:
 
     out = {k: med(k) for k in ("step_s", "compute_s", "sync_wait_s", "fetch_s", "data_wait_s", "collective_s",
                                "agent_s")}
+    # The lookahead batch is finished (all-reduce waited, collated) inside the Agent's on_step_end: data path.
+    out["fetch_s"] += med("settle_s")
     out["other_s"] = out["step_s"] - sum(out[k] for k in ("compute_s", "sync_wait_s", "fetch_s", "agent_s"))
     cpu = rep["step_cpu"]
     out["cpu_per_step_ms"] = 1e3 * (cpu[-1] - cpu[warmup]) / (len(cpu) - 1 - warmup)
