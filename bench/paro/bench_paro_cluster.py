@@ -176,6 +176,46 @@ def breakdown(name: str, r: dict, compute: dict, bw: dict) -> dict:
             "other_s": step - comp - inter - intra}
 
 
+def build_summary(report: dict, ratio: float) -> dict:
+    """The `summary` object, from the runs of a report (also used by --resummarize)."""
+    main_run = report["runs"][f"1:{ratio:g}"]
+    s = main_run["results"]
+    paro = {c: r for c, r in s.items() if c.startswith("paro:")}
+    best = max(paro, key=lambda c: paro[c]["tokens_per_s"])
+    summary = {"best_strategy": best.split(":")[1],
+               "best_tokens_per_s": paro[best]["tokens_per_s"]}
+    if "ds:3" in s:
+        summary["best_vs_zero3"] = paro[best]["tokens_per_s"] / s["ds:3"]["tokens_per_s"]
+        summary["ratios_vs_zero3"] = {c: r["tokens_per_s"] / s["ds:3"]["tokens_per_s"] for c, r in s.items()}
+        summary["time_breakdown"] = [breakdown(best, paro[best], s["compute"], main_run["bandwidth"]),
+                                     breakdown("ds:3", s["ds:3"], s["compute"], main_run["bandwidth"])]
+        if "paro:GGG" in s:
+            summary["time_breakdown"].append(breakdown("paro:GGG", s["paro:GGG"], s["compute"],
+                                                       main_run["bandwidth"]))
+    if "guideline" in main_run:
+        g = main_run["guideline"]
+        summary.update({k: g[k] for k in ("kendall_distance", "kendall_distance_ties_excluded", "top1_regret",
+                                          "predicted_best", "measured_best")})
+    bw = main_run["bandwidth"]
+    summary["bandwidths"] = {"inter_mb_s": bw["inter_mb_s"], "intra_mb_s": bw["intra_mb_s"],
+                             "ratio": bw["intra_over_inter"], "inter_mbit_tbf": bw["inter_mbit"]}
+    summary["sweep"] = {}
+    for key, run in report["runs"].items():
+        rs = run["results"]
+        pr = {c: r["tokens_per_s"] for c, r in rs.items() if c.startswith("paro:")}
+        summary["sweep"][key] = {"inter_mb_s": run["bandwidth"]["inter_mb_s"],
+                                 "order": sorted(pr, key=pr.get, reverse=True),
+                                 "best_vs_zero3": max(pr.values()) / rs["ds:3"]["tokens_per_s"] if "ds:3" in rs
+                                 else None,
+                                 "kendall_distance": run.get("guideline", {}).get("kendall_distance")}
+    for st in ("IIG", "III", "NIG"):
+        if f"paro:{st}" in s and "ds:3" in s:
+            summary[f"{st}_vs_zero3"] = s[f"paro:{st}"]["tokens_per_s"] / s["ds:3"]["tokens_per_s"]
+    summary["targets"] = {"best_vs_zero3": ">= 2 (paper: +128% for LLaMA-7B, IIG vs ZeRO-3)",
+                          "kendall_distance": "<= 0.2", "top1_regret": "<= 0.10"}
+    return summary
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ratio", type=float, default=50.0, help="intra:inter bandwidth ratio of the main run")
@@ -193,10 +233,17 @@ def main(argv=None) -> int:
     p.add_argument("--tie", type=float, default=0.05, help="relative throughput gap counted as a measurement tie")
     p.add_argument("--strategies", default=",".join(VALID_STRATEGY_NAMES), help="PaRO strategies of the main run")
     p.add_argument("--no-baselines", action="store_true")
-    p.add_argument("--launch-timeout", type=float, default=900.0, help="seconds per launch")
-    p.add_argument("--chunk", type=int, default=6, help="configurations per launch")
+    p.add_argument("--launch-timeout", type=float, default=1500.0, help="seconds per launch")
+    p.add_argument("--chunk", type=int, default=3, help="configurations per launch")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "paro_cluster.json"))
+    p.add_argument("--resummarize", metavar="JSON", help="recompute the summary of an existing result file and exit")
     args = p.parse_args(argv)
+    if args.resummarize:
+        report = json.loads(Path(args.resummarize).read_text())
+        report["summary"] = build_summary(report, report["settings"]["ratio"])
+        Path(args.resummarize).write_text(json.dumps(report, indent=1))
+        print(json.dumps(report["summary"], indent=1))
+        return 0
     t_start = time.perf_counter()
     n = 2 * args.procs_per_node
     tokens_per_step = n * args.accumulation * args.micro_batch * args.seq_len
@@ -238,38 +285,7 @@ def main(argv=None) -> int:
                       f"measured:            {' > '.join(g['measured_order'])}\n"
                       f"Kendall distance {g['kendall_distance']:.3f} (ties < {args.tie:.0%} excluded: "
                       f"{g['kendall_distance_ties_excluded']:.3f}), top-1 regret {g['top1_regret']:.1%}", flush=True)
-    main_run = report["runs"][f"1:{args.ratio:g}"]
-    s = main_run["results"]
-    paro = {c: r for c, r in s.items() if c.startswith("paro:")}
-    best = max(paro, key=lambda c: paro[c]["tokens_per_s"])
-    summary = {"best_strategy": best.split(":")[1],
-               "best_tokens_per_s": paro[best]["tokens_per_s"]}
-    if "ds:3" in s:
-        summary["best_vs_zero3"] = paro[best]["tokens_per_s"] / s["ds:3"]["tokens_per_s"]
-        summary["ratios_vs_zero3"] = {c: r["tokens_per_s"] / s["ds:3"]["tokens_per_s"] for c, r in s.items()}
-        summary["time_breakdown"] = [breakdown(best, paro[best], s["compute"], main_run["bandwidth"]),
-                                     breakdown("ds:3", s["ds:3"], s["compute"], main_run["bandwidth"])]
-        if "paro:GGG" in s:
-            summary["time_breakdown"].append(breakdown("paro:GGG", s["paro:GGG"], s["compute"],
-                                                       main_run["bandwidth"]))
-    if "guideline" in main_run:
-        g = main_run["guideline"]
-        summary.update({k: g[k] for k in ("kendall_distance", "kendall_distance_ties_excluded", "top1_regret",
-                                          "predicted_best", "measured_best")})
-    bw = main_run["bandwidth"]
-    summary["bandwidths"] = {"inter_mb_s": bw["inter_mb_s"], "intra_mb_s": bw["intra_mb_s"],
-                             "ratio": bw["intra_over_inter"], "inter_mbit_tbf": bw["inter_mbit"]}
-    summary["sweep"] = {}
-    for key, run in report["runs"].items():
-        rs = run["results"]
-        pr = {c: r["tokens_per_s"] for c, r in rs.items() if c.startswith("paro:")}
-        summary["sweep"][key] = {"inter_mb_s": run["bandwidth"]["inter_mb_s"],
-                                 "order": sorted(pr, key=pr.get, reverse=True),
-                                 "best_vs_zero3": max(pr.values()) / rs["ds:3"]["tokens_per_s"] if "ds:3" in rs
-                                 else None,
-                                 "kendall_distance": run.get("guideline", {}).get("kendall_distance")}
-    summary["targets"] = {"best_vs_zero3": ">= 2 (paper: +128% for LLaMA-7B, IIG vs ZeRO-3)",
-                          "kendall_distance": "<= 0.2", "top1_regret": "<= 0.10"}
+    summary = build_summary(report, args.ratio)
     import deepspeed
     import torch
     import transformers
