@@ -42,15 +42,24 @@ __all__ = ["ParoCCAllGather", "ParoCCReduceScatter", "ParoCCHandle", "enable_par
 
 logger = logging.getLogger(__name__)
 
-try:  # torch >= 2.8 exposes the custom-collective protocols
+try:  # recent torch exposes FSDP2's custom-collective protocols; the package must still import without them
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+    _IMPORT_ERROR: ImportError | None = None
 except ImportError as exc:  # pragma: no cover - depends on the installed torch
-    raise ImportError(
-        f"paro_zero_backend.fsdp2_cc needs FSDP2's custom collective hooks (torch >= 2.8); torch {torch.__version__} "
-        "does not have them. Upgrade torch, or use ParoEngine (paro_cc=True) instead."
-    ) from exc
+    FSDPModule = AllGather = ReduceScatter = DefaultAllGather = DefaultReduceScatter = object
+    _IMPORT_ERROR = exc
+
+
+def _require_hooks() -> None:
+    if _IMPORT_ERROR is not None:
+        raise ImportError(
+            f"PaRO-CC for FSDP2 needs fully_shard's custom collective hooks (set_custom_all_gather / "
+            f"set_custom_reduce_scatter); torch {torch.__version__} does not have them ({_IMPORT_ERROR}). Upgrade "
+            "torch, or use ParoEngine (paro_cc=True) instead."
+        )
 
 
 def _check_group(group: dist.ProcessGroup | None, topology, who: str) -> None:
@@ -155,6 +164,7 @@ def enable_paro_cc(model: nn.Module, group_size: int | None = None, *, topology=
     Returns:
         `ParoCCHandle`: ``handle.counter`` (bytes by link), ``handle.disable()``.
     """
+    _require_hooks()
     if not dist.is_initialized():
         raise RuntimeError("enable_paro_cc needs torch.distributed: initialize the process group (torchrun / "
                            "accelerate launch) and call fully_shard first.")
