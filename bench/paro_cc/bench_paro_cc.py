@@ -10,7 +10,13 @@ Run (root, iproute2)::
 
     .venv/bin/python bench/paro_cc/bench_paro_cc.py            # writes bench/results/paro_cc.json
 
-Idle runtime: about 4-6 minutes (4 runs, each spawning 4 ranks; DeepSpeed's import dominates start-up).
+Runtime: 650 s on the shared 2-core machine (intra TCP only 263 MB/s there, so the link was shaped to 5 MB/s);
+idle, with ~2.4 GB/s intra (~48 MB/s inter), about 3-4 minutes (4 runs of 4 ranks, 8 steps each, plus start-up).
+
+Where the time goes: the steps are inter-link bound. Flat FSDP2 moves 6 model-sizes through the link per step (two
+ring all-gathers at 1.5X each, gloo's reduce-scatter as a ring all-reduce at 3X), PaRO-CC 4 (inter-group parts only:
+1X, 1X, 2X), so bytes drop 1.5x and step time follows. ZeRO-3's PaRO-CC collectives run synchronously (the flat
+baseline's all-gathers are asynchronous and overlap the little compute there is), so its speed-up is below 1.5x.
 """
 
 from __future__ import annotations
