@@ -141,6 +141,7 @@ def test_three_placements_same_update_two_ranks(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(620)
 def test_three_placements_same_update_four_ranks(tmp_path):
     # 4 ranks: interleaved ref on [0, 1], reward on [2, 3]; disaggregated trainers [0, 1], generators [2, 3], so every
     # trainer receives shards from both generators.

@@ -127,7 +127,16 @@ class PPOTrainer:
     Args mirror TRL 1.12: ``model`` (policy), ``ref_model`` (``None``: a frozen copy, or with PEFT the
     adapter-disabled policy), ``reward_model`` and ``value_model`` (sequence classifiers with ``score`` head),
     ``train_dataset`` with an ``input_ids`` column, optional ``eval_dataset`` for :meth:`generate_completions`.
-    ``group`` (ours) restricts the data-parallel collectives to a process sub-group, for placement executors.
+    ``group`` (ours) restricts the data-parallel collectives to a process sub-group.
+
+    ``placement`` (ours, FlexRLHF): where the four models run. A `hf_placement.PlacementPlan`, a strategy name
+    (``"colocated"``, ``"interleaved"``, ``"disaggregated"``), a path to a ``.yaml``/``.json`` plan or a plan dict; when
+    omitted, ``args.placement`` (with ``args.placement_ratios`` / ``args.rollout_replicas``); when both are ``None``,
+    plain data-parallel PPO without the placement layer. Transfers time out after ``args.placement_timeout_s``; a
+    disaggregated plan syncs weights with ``args.weight_sync`` and may run one step off-policy
+    (``args.max_staleness=1``). With staleness 0 every placement computes the co-located update (see
+    `trl_trainers.placement.equivalence_issues`; ``strict_equivalence=True`` raises instead of logging when a
+    configuration cannot). A colocated plan with ``sharded_roles`` shards those models ZeRO-3-style over the ranks.
     """
 
     _tag_names = ["trl", "ppo"]

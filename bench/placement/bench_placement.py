@@ -48,11 +48,11 @@ STRATEGIES = ("colocated", "interleaved", "disaggregated", "disaggregated-async"
 # One axis at a time around a base point, then the memory-capped regime at two model sizes.
 FULL_CONFIGS = [
     {"name": "base", "n_layer": 2, "n_embd": 128, "batch": 16, "response": 16, "cap_phi": None},
+    {"name": "capped-base", "n_layer": 2, "n_embd": 128, "batch": 16, "response": 16, "cap_phi": 38},
+    {"name": "large-model", "n_layer": 4, "n_embd": 384, "batch": 16, "response": 16, "cap_phi": None},
+    {"name": "capped-large-model", "n_layer": 4, "n_embd": 384, "batch": 16, "response": 16, "cap_phi": 38},
     {"name": "long-response", "n_layer": 2, "n_embd": 128, "batch": 16, "response": 48, "cap_phi": None},
     {"name": "large-batch", "n_layer": 2, "n_embd": 128, "batch": 48, "response": 16, "cap_phi": None},
-    {"name": "large-model", "n_layer": 4, "n_embd": 384, "batch": 16, "response": 16, "cap_phi": None},
-    {"name": "capped-base", "n_layer": 2, "n_embd": 128, "batch": 16, "response": 16, "cap_phi": 38},
-    {"name": "capped-large-model", "n_layer": 4, "n_embd": 384, "batch": 16, "response": 16, "cap_phi": 38},
     {"name": "capped-xl-model", "n_layer": 6, "n_embd": 512, "batch": 8, "response": 16, "cap_phi": 38},
 ]
 QUICK_CONFIGS = [
