@@ -24,7 +24,7 @@ from .config import LightTEAConfig
 from .data import TKGPair
 from .graph import build_graph, time_counts
 from .propagation import l2n, propagate, seed_labels, triple_view
-from .similarity import TemporalSimilarity, blocked_topk
+from .similarity import TemporalSimilarity, blocked_topk, candidate_recall, lowrank_topk
 from .sinkhorn import sparse_sinkhorn
 
 logger = logging.getLogger(__name__)
@@ -40,6 +40,7 @@ class RoundMetrics:
     pseudo_seeds_added: int = 0
     pseudo_seed_precision: float | None = None
     seconds: float = 0.0
+    candidate_recall: dict[str, float] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -183,7 +184,8 @@ class LightTEA:
                     e0 = seed_labels(graph.num_entities, train.cpu(), cfg.dim, gen).to(device)
                     e_bar, x_cat = propagate(graph.entity_entity, aspect, e0, cfg.lp_steps)
                 with self._stage("triple_view", device):
-                    feats.append(triple_view(graph, aspect, e_bar, x_cat, aspect_dim, cfg.mini_dim, gen, rows))
+                    feats.append(triple_view(graph, aspect, e_bar, x_cat, aspect_dim, cfg.mini_dim, gen, rows,
+                                             label_dim=cfg.dim))
                 del e0, e_bar, x_cat
             with self._stage("fusion", device):
                 if cfg.fusion == "sum":
@@ -196,10 +198,20 @@ class LightTEA:
             last = rnd == cfg.rounds
             with self._stage("similarity_topk", device):
                 k_eval = min(top_k, n_test)
-                full, masked = blocked_topk(
-                    left, right, k_eval, cfg.block_rows,
-                    masked_rows=None if last else open_left, allowed_cols=None if last else open_right,
-                    masked_k=min(top_k, int(open_right.sum())))
+                search = dict(masked_rows=None if last else open_left, allowed_cols=None if last else open_right,
+                              masked_k=min(top_k, int(open_right.sum())))
+                subspace = not compat and cfg.candidate_dim is not None and cfg.candidate_dim < left.shape[1]
+                if not subspace:
+                    full, masked = blocked_topk(left, right, k_eval, cfg.block_rows, **search)
+                else:
+                    full, masked = lowrank_topk(left, right, k_eval, cfg.block_rows, cfg.candidate_dim,
+                                                cfg.rescore_top, gen, **search)
+            check = None
+            if cfg.candidate_check_rows and subspace:
+                with self._stage("candidate_check", device):
+                    pick = torch.randperm(n_test, generator=torch.Generator().manual_seed(cfg.seed + rnd))
+                    pick = pick[: cfg.candidate_check_rows].to(device)
+                    check = candidate_recall(left, right, full, pick)
             del left, right
             with self._stage("temporal_similarity", device):
                 sims = self._with_time(full.values, simt(test_left, full.index))
@@ -210,7 +222,7 @@ class LightTEA:
                 best = m.argmax(dim=1)
                 predicted = test_right[full.index.gather(1, best[:, None])[:, 0]]
                 scores = m.gather(1, best[:, None])[:, 0]
-            metrics = RoundMetrics(rnd, h1, h10, mrr, num_train_pairs=len(train))
+            metrics = RoundMetrics(rnd, h1, h10, mrr, num_train_pairs=len(train), candidate_recall=check)
             if not last:
                 with self._stage("pseudo_seeds", device):
                     new = self._pseudo_seeds(masked, open_left, open_right, test_left, test_right, simt,

@@ -9,6 +9,8 @@ Legend: N entities, X aspect nodes, Q tuples, d label width, L = lp_steps, D = D
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .graph import AspectGraph, TKGGraph
@@ -45,17 +47,24 @@ def propagate(a_ee: torch.Tensor, aspect: AspectGraph, e0: torch.Tensor, steps: 
 
 def triple_view(graph: TKGGraph, aspect: AspectGraph, e_bar: torch.Tensor, x_cat: torch.Tensor, aspect_dim: int,
                 mini_dim: int, generator: torch.Generator, rows: torch.Tensor | None = None,
-                block: int = 8) -> torch.Tensor:
+                block: int = 16, label_dim: int | None = None) -> torch.Tensor:
     """Relation/time-triple view: F_j[h] = sum_{(h,t)} W[(h,t), j] * (E_bar P_j)[t] for j < D, concatenated.
 
     ``W = T_x (X_cat Q)`` is the summed aspect embedding of every tuple, and each of the D columns gets its own random
     projection P_j ((L+1)d x mini_dim). Only the entity rows in ``rows`` are returned (default: all); the result is
-    row-normalised, ``len(rows) x (mini_dim * D)``. Columns are produced ``block`` projections at a time so that the
-    Q x (block * mini_dim) gather stays small.
+    row-normalised, ``len(rows) x (mini_dim * D)``.
+
+    Work layout (why it is fast): ``Z = E_bar P`` is one dense product over the tails that occur, ``block``
+    projections at a time; the sum over tuples is then, for every j, a CSR product ``S_j Z_j`` whose sparsity
+    pattern (head x tail) is shared by all j and whose values are ``W[:, j]``, so no Q-row intermediate is ever
+    materialised and each ``Z_j`` (tails x mini_dim) stays cache-resident. With ``label_dim``, the first
+    ``label_dim`` columns of ``E_bar`` are the normalised seed labels, which are zero outside the seeds: their share
+    of ``Z`` is computed for the seed rows only.
     """
     width = e_bar.shape[1]
-    q = l2n(torch.randn(width, aspect_dim, generator=generator)).to(e_bar.device)
-    proj = l2n(torch.randn(aspect_dim, width, mini_dim, generator=generator)).to(e_bar.device)
+    device = e_bar.device
+    q = l2n(torch.randn(width, aspect_dim, generator=generator)).to(device)
+    proj = l2n(torch.randn(aspect_dim, width, mini_dim, generator=generator)).to(device)
     w = aspect.tuple_x @ (x_cat @ q)  # Q x D
     head, tail = graph.tuple_head, graph.tuple_tail
     n_out = graph.num_entities
@@ -65,22 +74,37 @@ def triple_view(graph: TKGGraph, aspect: AspectGraph, e_bar: torch.Tensor, x_cat
         keep = out_of[head] >= 0
         head, tail, w = out_of[head[keep]], tail[keep], w[keep]
         n_out = len(rows)
+        order = torch.argsort(head, stable=True)  # CSR needs the tuples grouped by output row
+        head, tail, w = head[order], tail[order], w[order]
     # Only the tails that occur need Z = E_bar P; compact them once.
     tails, tail_pos = torch.unique(tail, return_inverse=True)
     e_tails = e_bar[tails]
-    # Summing tuples into their head rows is a sparse (n_out x Q) incidence product; tuples are sorted by head.
-    incidence = torch.sparse_coo_tensor(torch.stack([head, torch.arange(len(head), device=head.device)]),
-                                        torch.ones(len(head), device=e_bar.device), (n_out, len(head)),
-                                        is_coalesced=True, check_invariants=False)
-    out = torch.empty(n_out, aspect_dim * mini_dim, device=e_bar.device)
-    for j0 in range(0, aspect_dim, block):
-        j1 = min(j0 + block, aspect_dim)
-        p = proj[j0:j1].permute(1, 0, 2).reshape(width, (j1 - j0) * mini_dim)
-        z = e_tails @ p  # |tails| x (b * mini_dim)
-        g = torch.index_select(z, 0, tail_pos).view(-1, j1 - j0, mini_dim)
-        g.mul_(w[:, j0:j1, None])
-        out[:, j0 * mini_dim: j1 * mini_dim] = torch.sparse.mm(incidence, g.view(len(head), -1))
-    return l2n(out)
+    sparse_rows = None
+    if label_dim is not None and 0 < label_dim < width:
+        nz = torch.nonzero(e_tails[:, :label_dim].abs().amax(dim=1) > 0)[:, 0]
+        if len(nz) < 0.75 * len(tails):
+            sparse_rows = nz
+            e_labels = e_tails[nz, :label_dim].contiguous()
+            e_tails = e_tails[:, label_dim:].contiguous()
+    crow = torch.zeros(n_out + 1, dtype=torch.long, device=device)
+    crow[1:] = torch.cumsum(torch.bincount(head, minlength=n_out), 0)
+    w_t = w.T.contiguous()  # D x Q: one contiguous value vector per projection
+    out = torch.empty(n_out, aspect_dim, mini_dim, device=device)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*[Ss]parse CSR tensor support is in beta.*")
+        for j0 in range(0, aspect_dim, block):
+            j1 = min(j0 + block, aspect_dim)
+            p = proj[j0:j1].permute(1, 0, 2).reshape(width, (j1 - j0) * mini_dim)
+            if sparse_rows is None:
+                z = e_tails @ p  # |tails| x (b * mini_dim)
+            else:
+                z = e_tails @ p[label_dim:]
+                z.index_add_(0, sparse_rows, e_labels @ p[:label_dim])
+            z = z.view(-1, j1 - j0, mini_dim).transpose(0, 1).contiguous()  # b x |tails| x mini_dim
+            for j in range(j0, j1):
+                s_j = torch.sparse_csr_tensor(crow, tail_pos, w_t[j], (n_out, len(tails)), check_invariants=False)
+                out[:, j] = torch.sparse.mm(s_j, z[j - j0])
+    return l2n(out.view(n_out, aspect_dim * mini_dim))
 
 
 def aspect_features(graph: TKGGraph, aspect: AspectGraph, train_pairs: torch.Tensor, dim: int, steps: int,
@@ -90,4 +114,4 @@ def aspect_features(graph: TKGGraph, aspect: AspectGraph, train_pairs: torch.Ten
     device = graph.entity_entity.device
     e0 = seed_labels(graph.num_entities, train_pairs.cpu(), dim, generator).to(device)
     e_bar, x_cat = propagate(graph.entity_entity, aspect, e0, steps)
-    return triple_view(graph, aspect, e_bar, x_cat, aspect_dim, mini_dim, generator, rows)
+    return triple_view(graph, aspect, e_bar, x_cat, aspect_dim, mini_dim, generator, rows, label_dim=dim)

@@ -29,7 +29,7 @@ def blocked_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: in
     """
     n = left.shape[0]
     k = min(k, right.shape[0])
-    vals = torch.empty(n, k, device=left.device)
+    vals = torch.empty(n, k, dtype=left.dtype, device=left.device)
     idx = torch.empty(n, k, dtype=torch.long, device=left.device)
     want_masked = masked_rows is not None
     if want_masked:
@@ -37,7 +37,7 @@ def blocked_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: in
         n_masked = int(masked_rows.sum())
         masked_pos[masked_rows] = torch.arange(n_masked, device=left.device)
         masked_k = min(masked_k, int(allowed_cols.sum()))
-        mvals = torch.empty(n_masked, masked_k, device=left.device)
+        mvals = torch.empty(n_masked, masked_k, dtype=left.dtype, device=left.device)
         midx = torch.empty(n_masked, masked_k, dtype=torch.long, device=left.device)
         blocked = ~allowed_cols
     for r0 in range(0, n, block_rows):
@@ -108,3 +108,88 @@ class TemporalSimilarity:
             r0 = r1
         den = self.totals[left_entities][:, None] + self.right_totals[candidates]
         return torch.where(den > 0, 2.0 * out / den.clamp(min=1e-12), torch.zeros_like(out))
+
+
+def principal_basis(left: torch.Tensor, right: torch.Tensor, rank: int, generator: torch.Generator,
+                    sample_rows: int = 4096, iterations: int = 3) -> torch.Tensor:
+    """Orthonormal ``D x rank`` basis of the leading principal directions of the (uncentred) rows of both sides.
+
+    Estimated from a seeded sample of ``sample_rows`` rows of each side by randomized subspace iteration on their
+    ``D x D`` Gram matrix (no full eigendecomposition), so it costs a few ``D x D x rank`` products.
+    """
+    dim = left.shape[1]
+    if rank >= dim:
+        return torch.eye(dim, dtype=left.dtype, device=left.device)
+    picks = []
+    for side in (left, right):
+        n = side.shape[0]
+        take = torch.randperm(n, generator=generator)[: min(n, sample_rows)].to(side.device)
+        picks.append(side[take])
+    sample = torch.cat(picks)
+    gram = sample.T @ sample
+    width = min(dim, rank + 16)
+    basis = torch.linalg.qr(gram @ torch.randn(dim, width, generator=generator).to(left)).Q
+    for _ in range(iterations):
+        basis = torch.linalg.qr(gram @ basis).Q
+    evals, evecs = torch.linalg.eigh(basis.T @ gram @ basis)
+    top = torch.argsort(evals, descending=True)[:rank]
+    return (basis @ evecs[:, top]).contiguous()
+
+
+def exact_scores(left: torch.Tensor, right: torch.Tensor, index: torch.Tensor, rows: torch.Tensor | None = None,
+                 chunk: int = 64) -> torch.Tensor:
+    """``left[rows[i]] . right[index[i, c]]`` in the full space (rows default: all), ``chunk`` rows at a time."""
+    out = torch.empty(index.shape, dtype=left.dtype, device=left.device)
+    for r0 in range(0, index.shape[0], chunk):
+        r1 = min(r0 + chunk, index.shape[0])
+        lrows = left[r0:r1] if rows is None else left[rows[r0:r1]]
+        cand = right.index_select(0, index[r0:r1].reshape(-1)).view(r1 - r0, index.shape[1], -1)
+        out[r0:r1] = torch.bmm(cand, lrows[:, :, None])[:, :, 0]
+    return out
+
+
+def rescore_topk(left: torch.Tensor, right: torch.Tensor, approx: TopK, rescore: int,
+                 rows: torch.Tensor | None = None) -> TopK:
+    """Replace the scores of each row's first ``rescore`` candidates by their exact values and re-sort the row.
+
+    The candidates (index set) are those of ``approx``; only the scores of the leading ones, which carry almost all
+    of the Sinkhorn mass at a low temperature, are recomputed in the full space.
+    """
+    m = min(rescore, approx.values.shape[1])
+    if m == 0:
+        return approx
+    values = approx.values.clone()
+    values[:, :m] = exact_scores(left, right, approx.index[:, :m].contiguous(), rows)
+    values, order = torch.sort(values, dim=1, descending=True, stable=True)
+    return TopK(values, approx.index.gather(1, order))
+
+
+def lowrank_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: int, rank: int, rescore: int,
+                 generator: torch.Generator, masked_rows: torch.Tensor | None = None,
+                 allowed_cols: torch.Tensor | None = None, masked_k: int = 0) -> tuple[TopK, TopK | None]:
+    """Top-k candidates found in a rank-``rank`` principal subspace, leading ``rescore`` re-scored exactly.
+
+    Same interface as `blocked_topk`, whose search it runs on the projected features: the block products then cost
+    ``rank / D`` of the full ones. With ``rank >= D`` and ``rescore >= k`` the result equals `blocked_topk` up to
+    floating-point rounding.
+    """
+    basis = principal_basis(left, right, rank, generator)
+    full, masked = blocked_topk(left @ basis, right @ basis, k, block_rows, masked_rows, allowed_cols, masked_k)
+    full = rescore_topk(left, right, full, rescore)
+    if masked is not None:
+        masked = rescore_topk(left, right, masked, rescore, rows=torch.nonzero(masked_rows)[:, 0])
+    return full, masked
+
+
+def candidate_recall(left: torch.Tensor, right: torch.Tensor, found: TopK, rows: torch.Tensor) -> dict[str, float]:
+    """How well ``found`` (candidates of all rows) matches the exact top-k on the sampled ``rows``.
+
+    ``recall`` is the share of the exact top-k (index set) that ``found`` holds, ``top1`` the share of rows whose
+    best-scored candidate is the exact best, ``same_set`` the share of rows whose candidate set is exactly the
+    exact top-k.
+    """
+    k = found.index.shape[1]
+    exact = torch.topk(left[rows] @ right.T, k, dim=1)
+    hit = (exact.indices[:, :, None] == found.index[rows][:, None, :]).any(dim=2)
+    return {"recall": hit.float().mean().item(), "top1": (found.index[rows, 0] == exact.indices[:, 0]).float().mean()
+            .item(), "same_set": hit.all(dim=1).float().mean().item(), "rows": len(rows)}
