@@ -5,10 +5,13 @@
   `paro_zero_backend.ParoEngine` (gradient accumulation, clipping, full-weight gathering, sharded save/load_state).
 - `ParoTrainer`: `transformers.Trainer` using `ParoAccelerator` (``from_pretrained``-loadable ``save_model``,
   checkpoints and resume).
+- `enable_paro_cc_for_accelerator`: PaRO-CC's hierarchical all-gather / reduce-scatter on a model that Accelerate's
+  FSDP2 plugin prepared (``paro_zero_backend.enable_paro_cc`` underneath).
 """
 
+from .fsdp_paro_cc import enable_paro_cc_for_accelerator
 from .paro_accelerator import ParoAccelerator, ParoOptimizer
 from .paro_plugin import ParoPlugin
 from .paro_trainer import ParoTrainer
 
-__all__ = ["ParoAccelerator", "ParoOptimizer", "ParoPlugin", "ParoTrainer"]
+__all__ = ["ParoAccelerator", "ParoOptimizer", "ParoPlugin", "ParoTrainer", "enable_paro_cc_for_accelerator"]
