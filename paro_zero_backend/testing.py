@@ -10,10 +10,14 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["ADAMW_KWARGS", "make_adamw", "tiny_gpt2", "make_batches", "reference_run", "paro_train", "max_rel_diff"]
+__all__ = [
+    "ADAMW_KWARGS", "make_adamw", "tiny_gpt2", "make_batches", "reference_run", "paro_train", "max_rel_diff",
+    "to_numpy", "from_numpy",
+]
 
 
 def tiny_gpt2(seed: int = 0, n_embd: int = 30, n_layer: int = 2, vocab_size: int = 61, n_positions: int = 16):
@@ -97,3 +101,22 @@ def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
 def summary(engine: Any) -> dict[str, Any]:
     return {"strategy": engine.strategy.name, "memory": engine.memory_bytes(),
             "last_step_bytes": engine.last_step_bytes}
+
+
+def to_numpy(obj: Any) -> Any:
+    """Tensors (also inside dicts) -> numpy copies, for values a rank returns through `run_distributed`: tensors
+    shared through file descriptors die with the rank process."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().float().numpy().copy()
+    if isinstance(obj, dict):
+        return {k: to_numpy(v) for k, v in obj.items()}
+    return obj
+
+
+def from_numpy(obj: Any) -> Any:
+    """Inverse of `to_numpy`, applied in the test process."""
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj)
+    if isinstance(obj, dict):
+        return {k: from_numpy(v) for k, v in obj.items()}
+    return obj

@@ -4,30 +4,21 @@ one process); the patch routes ZeRO's all-gathers and reduce-scatters, counts by
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from hf_placement import run_distributed
-from paro_zero_backend.testing import ADAMW_KWARGS, make_batches, max_rel_diff, reference_run, tiny_gpt2
+from paro_zero_backend.testing import (
+    ADAMW_KWARGS,
+    from_numpy,
+    make_batches,
+    max_rel_diff,
+    reference_run,
+    tiny_gpt2,
+    to_numpy,
+)
 
-
-def _np(obj):
-    """Tensors -> numpy arrays: a rank's tensors shared through file descriptors die with the rank process."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().float().numpy().copy()
-    if isinstance(obj, dict):
-        return {k: _np(v) for k, v in obj.items()}
-    return obj
-
-
-def _t(obj):
-    """Inverse of `_np`, applied in the test process."""
-    if isinstance(obj, np.ndarray):
-        return torch.from_numpy(obj)
-    if isinstance(obj, dict):
-        return {k: _t(v) for k, v in obj.items()}
-    return obj
+_np, _t = to_numpy, from_numpy  # rank results cross the process boundary as numpy
 
 deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is an optional dependency (hf-scale-plugins[deepspeed])")
 

@@ -8,30 +8,21 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import pytest
 import torch
 
 from hf_placement import run_distributed
-from paro_zero_backend.testing import make_adamw, make_batches, max_rel_diff, reference_run, tiny_gpt2
+from paro_zero_backend.testing import (
+    from_numpy,
+    make_adamw,
+    make_batches,
+    max_rel_diff,
+    reference_run,
+    tiny_gpt2,
+    to_numpy,
+)
 
-
-def _np(obj):
-    """Tensors -> numpy arrays: a rank's tensors shared through file descriptors die with the rank process."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().float().numpy().copy()
-    if isinstance(obj, dict):
-        return {k: _np(v) for k, v in obj.items()}
-    return obj
-
-
-def _t(obj):
-    """Inverse of `_np`, applied in the test process."""
-    if isinstance(obj, np.ndarray):
-        return torch.from_numpy(obj)
-    if isinstance(obj, dict):
-        return {k: _t(v) for k, v in obj.items()}
-    return obj
+_np, _t = to_numpy, from_numpy  # rank results cross the process boundary as numpy
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600)]
 

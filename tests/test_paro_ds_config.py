@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 
-import numpy as np
 import pytest
 import torch
 
@@ -15,25 +14,9 @@ from hf_placement import run_distributed
 from paro_zero_backend import ParoConfig
 from paro_zero_backend.deepspeed_cc import UnsupportedDeepSpeedError, check_deepspeed_version
 from paro_zero_backend.ds_config import ParoSection, paro_config_from_deepspeed, split_paro_section
-from paro_zero_backend.testing import ADAMW_KWARGS, make_batches, max_rel_diff, tiny_gpt2
+from paro_zero_backend.testing import ADAMW_KWARGS, from_numpy, make_batches, max_rel_diff, tiny_gpt2, to_numpy
 
-
-def _np(obj):
-    """Tensors -> numpy arrays: a rank's tensors shared through file descriptors die with the rank process."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().float().numpy().copy()
-    if isinstance(obj, dict):
-        return {k: _np(v) for k, v in obj.items()}
-    return obj
-
-
-def _t(obj):
-    """Inverse of `_np`, applied in the test process."""
-    if isinstance(obj, np.ndarray):
-        return torch.from_numpy(obj)
-    if isinstance(obj, dict):
-        return {k: _t(v) for k, v in obj.items()}
-    return obj
+_np, _t = to_numpy, from_numpy  # rank results cross the process boundary as numpy
 
 WORLD, GROUP, STEPS, ACCUM, MICRO = 4, 2, 3, 2, 2
 FP32_TOL = 1e-5

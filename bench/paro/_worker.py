@@ -16,6 +16,7 @@ timed step.
 
 from __future__ import annotations
 
+import abc
 import argparse
 import contextlib
 import datetime
@@ -111,7 +112,7 @@ def state_bytes(*roots) -> int:
 
 
 # ------------------------------------------------------------------------------------------------- the systems
-class System:
+class System(abc.ABC):
     """A configured model + optimizer: ``micro(ids, last)`` runs one micro-step, ``step()`` the optimizer.
 
     ``probe``, when set, is called after the last backward of a step and before the optimizer update: model-state
@@ -119,16 +120,19 @@ class System:
 
     probe = None
 
+    @abc.abstractmethod
     def micro(self, ids: torch.Tensor, last: bool, s: int) -> float:
-        raise NotImplementedError
+        """Implemented by every engine below."""
 
+    @abc.abstractmethod
     def step(self) -> None:
-        raise NotImplementedError
+        """Implemented by every engine below."""
 
+    @abc.abstractmethod
     def roots(self) -> tuple:
-        raise NotImplementedError
+        """Implemented by every engine below."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - an optional hook: nothing to release by default
         pass
 
 
