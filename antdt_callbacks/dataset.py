@@ -337,6 +337,11 @@ class ServiceIterableDataset(IterableDataset):
                 avail = sum(lease.left for lease in self._leases)
                 if avail >= n or self._status == "end":
                     break
+                if not self.sync and self._status == "wait" and avail > 0:
+                    # Independent consumers at the end of the data: every peer may likewise hold a tail shorter
+                    # than its batch while the service says WAIT because of the others' leases. Waiting for a
+                    # full batch would deadlock them all; a short last batch drains the tail instead.
+                    break
                 if time.monotonic() > deadline:
                     raise AntDTError(f"rank {self.rank}: no data from the service for {self.config.stop_timeout_s} s "
                                      f"(status {self._status!r}).")

@@ -38,7 +38,10 @@ def run() -> str:
             for t in threads:
                 t.start()
             for t in threads:
-                t.join(timeout=60)
+                t.join(timeout=120)
+            stuck = [t.name for t in threads if t.is_alive()]
+            if stuck:
+                raise RuntimeError(f"AntDT tour: consumer threads {stuck} did not finish within 120 s")
             sizes = dss[0].client.plan()["plan"]["batch_sizes"]  # the Controller's current split
         finally:
             svc.stop()
