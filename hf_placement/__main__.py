@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--response-len", type=int, default=32, help="generated tokens (default 32)")
     g.add_argument("--ppo-epochs", type=int, default=1, help="PPO epochs (default 1)")
     g.add_argument("--micro-batches", type=int, default=4, help="micro-batches / pipeline depth (default 4)")
+    g.add_argument("--mini-batches", type=int, default=1,
+                   help="optimizer steps per PPO epoch, TRL's num_mini_batches (default 1)")
     g = p.add_argument_group("hardware")
     g.add_argument("--hardware", choices=("cpu", "gpu"), default="cpu",
                    help="constant set: cpu (one core per rank, fp32) or gpu (H100-class, bf16)")
@@ -152,7 +154,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         workload = Workload(actor_params=args.actor_params, critic_params=args.critic_params,
                             ref_params=args.ref_params, reward_params=args.reward_params,
                             batch_size=args.batch_size, prompt_len=args.prompt_len, response_len=args.response_len,
-                            ppo_epochs=args.ppo_epochs, micro_batches=args.micro_batches, num_layers=args.num_layers,
+                            ppo_epochs=args.ppo_epochs, micro_batches=args.micro_batches,
+                            mini_batches=args.mini_batches, num_layers=args.num_layers,
                             hidden_size=args.hidden_size, lora_fraction=args.lora_fraction)
         overrides = {k: v for k, v in {"link_bandwidth": args.link_bandwidth,
                                        "inter_link_bandwidth": args.inter_link_bandwidth,

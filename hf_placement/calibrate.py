@@ -29,10 +29,11 @@ def _link_rank(rank: int, world: int, sizes: Sequence[int], repeats: int) -> dic
 
     # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single; older releases lack the latter.
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     out: dict[str, Any] = {}
     for nbytes in sizes:
         buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
-        times: dict[str, list[float]] = {"p2p": [], "broadcast": [], "all_gather": []}
+        times: dict[str, list[float]] = {"p2p": [], "broadcast": [], "all_gather": [], "reduce_scatter": []}
         gathered = torch.empty(buf.numel() * world)
         for _ in range(repeats + 1):  # the first round warms up connections and allocations
             dist.barrier()
@@ -52,16 +53,22 @@ def _link_rank(rank: int, world: int, sizes: Sequence[int], repeats: int) -> dic
             t0 = time.perf_counter()
             all_gather(gathered, buf)
             times["all_gather"].append(time.perf_counter() - t0)
+            dist.barrier()
+            t0 = time.perf_counter()
+            reduce_scatter(buf, gathered, op=dist.ReduceOp.SUM)
+            times["reduce_scatter"].append(time.perf_counter() - t0)
         out[str(nbytes)] = {k: statistics.median(v[1:]) for k, v in times.items()}
     return out
 
 
 def measure_links(world_size: int = 2, sizes: Sequence[int] = (1 << 10, 1 << 20, 16 << 20), repeats: int = 5,
                   timeout: float = 300.0) -> dict[str, Any]:
-    """Median seconds per transfer size for p2p (one way), broadcast and all-gather on ``world_size`` gloo ranks,
-    plus fitted ``latency_s`` (smallest size) and ``bandwidth`` (bytes/s at the largest size) per operation.
+    """Median seconds per transfer size for p2p (one way), broadcast, all-gather and reduce-scatter on ``world_size``
+    gloo ranks, plus fitted ``latency_s`` (smallest size) and ``bandwidth`` (bytes/s at the largest size) per
+    operation.
 
-    For the all-gather, bandwidth is ``(n-1)/n * total bytes / time``, the cost model's convention.
+    For the all-gather and the reduce-scatter, bandwidth is ``(n-1)/n * total bytes / time``, the cost model's
+    convention (``Hardware.link_bandwidth`` / ``Hardware.reduce_scatter_bandwidth``).
     """
     from .testing import run_distributed
 
@@ -72,8 +79,8 @@ def measure_links(world_size: int = 2, sizes: Sequence[int] = (1 << 10, 1 << 20,
     seconds = per_rank[0]
     small, large = str(sizes[0]), str(sizes[-1])
     fit = {}
-    for op in ("p2p", "broadcast", "all_gather"):
-        moved = sizes[-1] if op != "all_gather" else (world_size - 1) * sizes[-1]
+    for op in ("p2p", "broadcast", "all_gather", "reduce_scatter"):
+        moved = (world_size - 1) * sizes[-1] if op in ("all_gather", "reduce_scatter") else sizes[-1]
         fit[op] = {"latency_s": seconds[small][op], "bandwidth": moved / max(seconds[large][op], 1e-12)}
     return {"world_size": world_size, "sizes": sizes, "seconds": seconds, "fit": fit}
 

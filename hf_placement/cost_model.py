@@ -60,6 +60,9 @@ class Workload:
     response_len: int = field(default=32, metadata={"help": "Generated tokens r."})
     ppo_epochs: int = field(default=1, metadata={"help": "PPO epochs over the batch."})
     micro_batches: int = field(default=4, metadata={"help": "Micro-batches K (forward chunks, pipeline depth)."})
+    mini_batches: int = field(default=1, metadata={
+        "help": "Optimizer steps per PPO epoch (TRL's num_mini_batches): each one synchronises the gradients "
+                "(all-reduce, or reduce-scatter for a sharded role) and steps the optimizer."})
     num_layers: int | None = field(default=None, metadata={"help": "Layers L (KV cache); derived from Φ if unset."})
     hidden_size: int | None = field(default=None, metadata={"help": "Hidden size h (KV cache); derived if unset."})
     lora_fraction: float | None = field(default=None, metadata={"help": "Adapter params / model params with LoRA."})
@@ -74,7 +77,7 @@ class Workload:
     def __post_init__(self) -> None:
         if self.max_staleness not in (None, 0, 1):
             raise ValueError(f"Workload.max_staleness={self.max_staleness!r} must be None (pipelined), 0 or 1.")
-        for name in ("batch_size", "prompt_len", "response_len", "ppo_epochs", "micro_batches"):
+        for name in ("batch_size", "prompt_len", "response_len", "ppo_epochs", "micro_batches", "mini_batches"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"Workload.{name}={v!r} must be a positive integer.")
@@ -111,6 +114,10 @@ class Hardware:
     inter_link_bandwidth: float | None = field(default=None, metadata={"help": "Inter-node bandwidth; default β."})
     devices_per_node: int | None = field(default=None, metadata={"help": "Devices per node (for inter links)."})
     link_latency_s: float = field(default=3e-4, metadata={"help": "Per-message latency (α), seconds."})
+    reduce_scatter_bandwidth: float | None = field(default=None, metadata={
+        "help": "Bandwidth of a reduce-scatter, bytes/s, in the all-gather convention ((n-1)/n x total bytes / "
+                "time); default β. Set it from hf_placement.calibrate.measure_links: gloo has no native "
+                "reduce-scatter and runs it several times slower than an all-gather of the same size."})
     mfu_train: float = field(default=0.5, metadata={"help": "Training efficiency η (fraction of F)."})
     mfu_infer: float = field(default=0.5, metadata={"help": "Inference efficiency η_i (fraction of F)."})
     call_overhead_s: float = field(default=5e-3, metadata={"help": "Fixed cost per model call / decode step (o)."})
@@ -250,7 +257,7 @@ class _Costs:
         phi = self.sizes.actor + self.sizes.critic
         trainable = phi * (w.lora_fraction or 1.0)
         tokens = b * (w.prompt_len + w.response_len) * w.ppo_epochs
-        steps = w.ppo_epochs
+        steps = w.ppo_epochs * w.mini_batches
         micro = min(w.micro_batches, max(1, math.ceil(b))) * w.ppo_epochs
         return (w.train_flops_factor * phi * tokens / (hw.peak_flops * hw.mfu_train)
                 + steps * 16 * trainable * 2 / hw.mem_bandwidth + 3 * micro * hw.call_overhead_s)
@@ -278,6 +285,13 @@ class _Costs:
             return 0.0
         return (n - 1) / n * nbytes / self.hw.bandwidth(ranks) + (n - 1) * self.hw.link_latency_s
 
+    def reduce_scatter(self, nbytes: float, ranks: list[int]) -> float:
+        n = len(ranks)
+        if n <= 1:
+            return 0.0
+        bw = self.hw.reduce_scatter_bandwidth or self.hw.bandwidth(ranks)
+        return (n - 1) / n * nbytes / bw + (n - 1) * self.hw.link_latency_s
+
     def p2p(self, nbytes: float, ranks: list[int]) -> float:
         return nbytes / self.hw.bandwidth(ranks) + self.hw.link_latency_s
 
@@ -299,6 +313,7 @@ def estimate(plan: PlacementPlan, workload: Workload, hardware: Hardware, calibr
         for k in c.scale:
             c.scale[k] /= hardware.parallel_efficiency
     sharded = set(plan.sharded_roles)
+    syncs = w.ppo_epochs * w.mini_batches  # gradient synchronisations (optimizer steps) per iteration
     phases: dict[str, float] = {}
     if not plan.is_disaggregated:
         actor, critic = plan.ranks("actor"), plan.ranks("critic")
@@ -328,9 +343,9 @@ def estimate(plan: PlacementPlan, workload: Workload, hardware: Hardware, calibr
             ranks = plan.ranks(role)
             gb = c.weights(role) * (w.lora_fraction or 1.0)
             if role in sharded:
-                train += micro_steps * 2 * c.all_gather(c.weights(role), ranks) + w.ppo_epochs * c.all_gather(gb, ranks)
+                train += micro_steps * 2 * c.all_gather(c.weights(role), ranks) + syncs * c.reduce_scatter(gb, ranks)
             else:
-                train += w.ppo_epochs * c.all_reduce(gb, ranks)
+                train += syncs * c.all_reduce(gb, ranks)
         phases["train"] = train
         phases["sync"] = 0.0
         total = phases["generate"] + phases["inference"] + phases["train"]
@@ -350,9 +365,9 @@ def estimate(plan: PlacementPlan, workload: Workload, hardware: Hardware, calibr
             gb = c.weights(role) * (w.lora_fraction or 1.0)
             if role in sharded:
                 micro_steps = min(K, max(1, math.ceil(b_train))) * w.ppo_epochs
-                train += micro_steps * 2 * c.all_gather(c.weights(role), ranks) + w.ppo_epochs * c.all_gather(gb, ranks)
+                train += micro_steps * 2 * c.all_gather(c.weights(role), ranks) + syncs * c.reduce_scatter(gb, ranks)
             else:
-                train += w.ppo_epochs * c.all_reduce(gb, ranks)
+                train += syncs * c.all_reduce(gb, ranks)
         sync_bytes = (c.weights("actor") + c.weights("critic")) * (w.lora_fraction or 1.0)
         sync = c.p2p(sync_bytes, sorted(set(trainers) | set(infer)))
         experience = c.p2p(S * (w.prompt_len + w.response_len) * (8 + 3 * 4), sorted(set(trainers) | set(infer)))

@@ -58,9 +58,14 @@ class LightTEAConfig:
             row are then re-scored exactly in the full space. ``None`` searches the full space exactly, like the
             reference (always so with ``reference_compat=True``). On YAGO-WIKI20K, 512 keeps 99.9% of the exact
             top-50 and every exact best candidate (see ``bench/tea``).
-        rescore_top (`int`, *optional*, defaults to `32`):
+        rescore_top (`int`, *optional*, defaults to `64`):
             Candidates per row whose score is recomputed exactly after the subspace search; at the Sinkhorn
             temperature of 0.02 they carry almost all of a row's mass.
+        matmul_precision (`str`, *optional*, defaults to `"auto"`):
+            Dtype of the two large approximate products, the subspace candidate search and the triple view's random
+            projections: ``"bfloat16"``, ``"float32"``, or ``"auto"`` (bf16 on CUDA and on CPUs that multiply bf16
+            natively, AMX or AVX512-BF16; fp32 elsewhere). Exact re-scoring, Sinkhorn and evaluation stay fp32;
+            ``reference_compat=True`` uses fp32 throughout.
         candidate_check_rows (`int`, *optional*, defaults to `0`):
             When > 0 and the subspace search is used, this many seeded random rows per round are also searched
             exactly and the recall of the candidate sets is reported in ``RoundMetrics.candidate_recall``.
@@ -106,7 +111,9 @@ class LightTEAConfig:
     candidate_dim: int | None = field(
         default=512, metadata={"help": "Rank of the subspace searched for top-k candidates (None or >= the feature "
                                           "width: exact search)."})
-    rescore_top: int = field(default=32, metadata={"help": "Leading candidates per row re-scored exactly."})
+    rescore_top: int = field(default=64, metadata={"help": "Leading candidates per row re-scored exactly."})
+    matmul_precision: str = field(
+        default="auto", metadata={"help": "Approximate products: 'auto', 'bfloat16' or 'float32'."})
     candidate_check_rows: int = field(
         default=0, metadata={"help": "Rows per round checked against the exact top-k (recall diagnostics)."})
     rounds: int = field(default=3, metadata={"help": "Temporal iterative learning rounds."})
@@ -122,6 +129,11 @@ class LightTEAConfig:
         self.fusion = str(self.fusion).lower()
         self.tie_break = str(self.tie_break).lower()
         self.device = str(self.device).lower()
+        self.matmul_precision = {"bf16": "bfloat16", "fp32": "float32"}.get(str(self.matmul_precision).lower(),
+                                                                            str(self.matmul_precision).lower())
+        if self.matmul_precision not in ("auto", "bfloat16", "float32"):
+            raise ValueError(f"LightTEAConfig.matmul_precision={self.matmul_precision!r} is not supported: use "
+                             "'auto', 'bfloat16' or 'float32'.")
         if self.reference_compat:
             # The reference ranks ties by candidate position and always runs 2 LP steps.
             self.tie_break = "first"

@@ -23,7 +23,8 @@ import torch
 from .config import LightTEAConfig
 from .data import TKGPair
 from .graph import build_graph, time_counts
-from .propagation import l2n, propagate, seed_labels, triple_view
+from .precision import matmul_dtype
+from .propagation import l2n_, propagate, seed_labels, triple_view
 from .similarity import TemporalSimilarity, blocked_topk, candidate_recall, lowrank_topk
 from .sinkhorn import sparse_sinkhorn
 
@@ -156,6 +157,7 @@ class LightTEA:
         gen = torch.Generator().manual_seed(cfg.seed)
         compat = cfg.reference_compat
         aspect_dim = self.aspect_dim(pair)
+        low = torch.float32 if compat else matmul_dtype(cfg.matmul_precision, device)
         bar = self._bar = _progress(progress, cfg.rounds)
         self._round = 0
 
@@ -185,27 +187,33 @@ class LightTEA:
                     e_bar, x_cat = propagate(graph.entity_entity, aspect, e0, cfg.lp_steps)
                 with self._stage("triple_view", device):
                     feats.append(triple_view(graph, aspect, e_bar, x_cat, aspect_dim, cfg.mini_dim, gen, rows,
-                                             label_dim=cfg.dim))
+                                             label_dim=cfg.dim, matmul_dtype=low))
                 del e0, e_bar, x_cat
             with self._stage("fusion", device):
                 if cfg.fusion == "sum":
-                    fused = (1 - cfg.alpha) * feats[0] + cfg.alpha * feats[1]
+                    fused = feats[0].mul_(1 - cfg.alpha).add_(feats[1], alpha=cfg.alpha)
                 else:
-                    fused = torch.cat([(1 - cfg.alpha) * feats[0], cfg.alpha * feats[1]], dim=1)
+                    fused = torch.cat([feats[0].mul_(1 - cfg.alpha), feats[1].mul_(cfg.alpha)], dim=1)
                 del feats
-                left, right = l2n(fused[:n_test]), l2n(fused[n_test:])
+                fused = l2n_(fused)  # row-wise, so the same as normalising each side
+                left, right = fused[:n_test], fused[n_test:]
                 del fused
             last = rnd == cfg.rounds
             with self._stage("similarity_topk", device):
                 k_eval = min(top_k, n_test)
-                search = dict(masked_rows=None if last else open_left, allowed_cols=None if last else open_right,
-                              masked_k=min(top_k, int(open_right.sum())))
+                masked_k = min(top_k, int(open_right.sum()))
+                # While nothing is masked (round 1) the pseudo-seed search is the evaluation search itself.
+                unmasked = bool(open_left.all()) and bool(open_right.all()) and masked_k == k_eval
+                search = dict(masked_rows=None if last or unmasked else open_left,
+                              allowed_cols=None if last or unmasked else open_right, masked_k=masked_k)
                 subspace = not compat and cfg.candidate_dim is not None and cfg.candidate_dim < left.shape[1]
                 if not subspace:
                     full, masked = blocked_topk(left, right, k_eval, cfg.block_rows, **search)
                 else:
                     full, masked = lowrank_topk(left, right, k_eval, cfg.block_rows, cfg.candidate_dim,
-                                                cfg.rescore_top, gen, **search)
+                                                cfg.rescore_top, gen, matmul_dtype=low, **search)
+                if unmasked and not last:
+                    masked = full
             check = None
             if cfg.candidate_check_rows and subspace:
                 with self._stage("candidate_check", device):

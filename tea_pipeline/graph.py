@@ -69,7 +69,7 @@ def build_graph(pair: TKGPair) -> TKGGraph:
     qr = np.concatenate([2 * r, 2 * r + 1])
     qtau = np.concatenate([tau, tau])
     key = ((qh * n + qt) * num_rel + qr) * num_times + qtau
-    key = np.unique(key)  # sorted by (head, tail, rel, time), like the reference
+    key = sorted_unique(key)  # sorted by (head, tail, rel, time), like the reference
     qtau = key % num_times
     rest = key // num_times
     qr = rest % num_rel
@@ -80,13 +80,13 @@ def build_graph(pair: TKGPair) -> TKGGraph:
     # entity-entity view: self loop carries the head and tail counts; off-diagonal counts distinct quadruples
     diag = np.bincount(qh, minlength=n) + np.bincount(qt, minlength=n)
     off = qh != qt
-    ht_key, ht_count = np.unique(qh[off] * n + qt[off], return_counts=True)
+    ht_key, ht_count = sorted_unique(qh[off] * n + qt[off], return_counts=True)
     rows = np.concatenate([np.arange(n), ht_key // n])
     cols = np.concatenate([np.arange(n), ht_key % n])
     vals = np.concatenate([diag, ht_count]).astype(np.float32)
     a_ee = _sparse(rows, cols, vals, (n, n))
 
-    tuple_key, tuple_of_quad = np.unique(qh * n + qt, return_inverse=True)
+    tuple_key, tuple_of_quad = sorted_unique(qh * n + qt, return_inverse=True)
     num_tuples = len(tuple_key)
 
     def aspect(x: np.ndarray, num_x: int) -> AspectGraph:
@@ -126,12 +126,33 @@ def time_counts(pair: TKGPair, unknown_time_id: int | None, relation_id_quirk: b
     e = np.concatenate(ents)
     tt = np.concatenate([tau] * len(ents))
     ok = e >= 0
-    key, count = np.unique(e[ok] * num_times + tt[ok], return_counts=True)
+    key, count = sorted_unique(e[ok] * num_times + tt[ok], return_counts=True)
     return _sparse(key // num_times, key % num_times, count.astype(np.float32), (n, num_times))
 
 
+def sorted_unique(keys: np.ndarray, return_counts: bool = False, return_inverse: bool = False):
+    """``np.unique`` for integer keys by one sort: NumPy >= 2.3 hashes first and was 8x slower on these keys
+    (2.4 s of a 3 s graph build on YAGO-WIKI20K). Same results, same order; one optional extra like np.unique."""
+    if return_inverse:
+        order = np.argsort(keys, kind="stable")
+        ordered = keys[order]
+    else:
+        ordered = np.sort(keys)
+    first = np.ones(len(ordered), dtype=bool)
+    first[1:] = ordered[1:] != ordered[:-1]
+    uniq = ordered[first]
+    if return_counts:
+        starts = np.flatnonzero(first)
+        return uniq, np.diff(np.append(starts, len(ordered)))
+    if return_inverse:
+        inverse = np.empty(len(keys), dtype=np.intp)
+        inverse[order] = np.cumsum(first) - 1
+        return uniq, inverse
+    return uniq
+
+
 def _binary(rows: np.ndarray, cols: np.ndarray, shape: tuple[int, int]) -> torch.Tensor:
-    key = np.unique(rows.astype(np.int64) * shape[1] + cols)
+    key = sorted_unique(rows.astype(np.int64) * shape[1] + cols)
     return _sparse(key // shape[1], key % shape[1], np.ones(len(key), dtype=np.float32), shape)
 
 

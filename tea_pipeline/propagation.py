@@ -20,7 +20,13 @@ EPS = 1e-12  # TensorFlow's l2_normalize floor on the squared norm: zero rows st
 
 def l2n(x: torch.Tensor) -> torch.Tensor:
     """Row-wise L2 normalisation with TF's epsilon (a zero row stays zero)."""
-    return x * torch.rsqrt(torch.clamp((x * x).sum(dim=-1, keepdim=True), min=EPS))
+    return l2n_(x.clone())
+
+
+def l2n_(x: torch.Tensor) -> torch.Tensor:
+    """`l2n` in place, for temporaries: allocating a second feature-sized matrix costs more than the arithmetic."""
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    return x.mul_(torch.rsqrt(torch.clamp(norm * norm, min=EPS)))
 
 
 def seed_labels(num_entities: int, seed_pairs: torch.Tensor, dim: int, generator: torch.Generator) -> torch.Tensor:
@@ -32,22 +38,34 @@ def seed_labels(num_entities: int, seed_pairs: torch.Tensor, dim: int, generator
     return e0
 
 
+def _csr(m: torch.Tensor) -> torch.Tensor:
+    """``m`` in CSR layout (torch marks CSR construction as beta with a warning; the products are stable)."""
+    if m.layout != torch.sparse_coo:
+        return m
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*[Ss]parse CSR tensor support is in beta.*")
+        return m.to_sparse_csr()
+
+
 def propagate(a_ee: torch.Tensor, aspect: AspectGraph, e0: torch.Tensor, steps: int) -> tuple[torch.Tensor, ...]:
     """L steps of entity/aspect propagation; returns (E_bar N x (L+1)d, X_cat X x (L+1)d), both row-normalised."""
     e, x = e0, torch.zeros(aspect.num_nodes, e0.shape[1], device=e0.device)
     es, xs = [e], [x]
+    # CSR multiplies a dense matrix about 1.5-2x faster than coalesced COO (measured on YAGO-WIKI20K).
+    a_ee, x_from_head, x_to_tail = (_csr(m) for m in (a_ee, aspect.x_from_head, aspect.x_to_tail))
     for _ in range(steps):
-        x_new = l2n(aspect.x_from_head @ e)  # aspect nodes gather from their head entities
-        e_new = l2n(a_ee @ e + aspect.x_to_tail @ x)  # entities gather from neighbours (+ self) and aspect nodes
+        x_new = l2n_(x_from_head @ e)  # aspect nodes gather from their head entities
+        e_new = l2n_((a_ee @ e).add_(x_to_tail @ x))  # entities gather from neighbours (+ self) and aspect nodes
         e, x = e_new, x_new
         es.append(e)
         xs.append(x)
-    return l2n(torch.cat(es, dim=1)), l2n(torch.cat(xs, dim=1))
+    return l2n_(torch.cat(es, dim=1)), l2n_(torch.cat(xs, dim=1))
 
 
 def triple_view(graph: TKGGraph, aspect: AspectGraph, e_bar: torch.Tensor, x_cat: torch.Tensor, aspect_dim: int,
                 mini_dim: int, generator: torch.Generator, rows: torch.Tensor | None = None,
-                block: int = 16, label_dim: int | None = None) -> torch.Tensor:
+                block: int = 16, label_dim: int | None = None,
+                matmul_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Relation/time-triple view: F_j[h] = sum_{(h,t)} W[(h,t), j] * (E_bar P_j)[t] for j < D, concatenated.
 
     ``W = T_x (X_cat Q)`` is the summed aspect embedding of every tuple, and each of the D columns gets its own random
@@ -59,13 +77,14 @@ def triple_view(graph: TKGGraph, aspect: AspectGraph, e_bar: torch.Tensor, x_cat
     pattern (head x tail) is shared by all j and whose values are ``W[:, j]``, so no Q-row intermediate is ever
     materialised and each ``Z_j`` (tails x mini_dim) stays cache-resident. With ``label_dim``, the first
     ``label_dim`` columns of ``E_bar`` are the normalised seed labels, which are zero outside the seeds: their share
-    of ``Z`` is computed for the seed rows only.
+    of ``Z`` is computed for the seed rows only. ``matmul_dtype`` is the dtype of the ``E_bar P`` products (bf16:
+    inputs and outputs rounded to 8 mantissa bits, fp32 accumulation; the sparse sums after them stay fp32).
     """
     width = e_bar.shape[1]
     device = e_bar.device
     q = l2n(torch.randn(width, aspect_dim, generator=generator)).to(device)
     proj = l2n(torch.randn(aspect_dim, width, mini_dim, generator=generator)).to(device)
-    w = aspect.tuple_x @ (x_cat @ q)  # Q x D
+    w = _csr(aspect.tuple_x) @ (x_cat @ q)  # Q x D
     head, tail = graph.tuple_head, graph.tuple_tail
     n_out = graph.num_entities
     if rows is not None:
@@ -86,6 +105,11 @@ def triple_view(graph: TKGGraph, aspect: AspectGraph, e_bar: torch.Tensor, x_cat
             sparse_rows = nz
             e_labels = e_tails[nz, :label_dim].contiguous()
             e_tails = e_tails[:, label_dim:].contiguous()
+    low = matmul_dtype != e_tails.dtype
+    if low:
+        e_tails = e_tails.to(matmul_dtype)
+        if sparse_rows is not None:
+            e_labels = e_labels.to(matmul_dtype)
     crow = torch.zeros(n_out + 1, dtype=torch.long, device=device)
     crow[1:] = torch.cumsum(torch.bincount(head, minlength=n_out), 0)
     w_t = w.T.contiguous()  # D x Q: one contiguous value vector per projection
@@ -95,23 +119,27 @@ def triple_view(graph: TKGGraph, aspect: AspectGraph, e_bar: torch.Tensor, x_cat
         for j0 in range(0, aspect_dim, block):
             j1 = min(j0 + block, aspect_dim)
             p = proj[j0:j1].permute(1, 0, 2).reshape(width, (j1 - j0) * mini_dim)
+            if low:
+                p = p.to(matmul_dtype)
             if sparse_rows is None:
                 z = e_tails @ p  # |tails| x (b * mini_dim)
             else:
                 z = e_tails @ p[label_dim:]
                 z.index_add_(0, sparse_rows, e_labels @ p[:label_dim])
-            z = z.view(-1, j1 - j0, mini_dim).transpose(0, 1).contiguous()  # b x |tails| x mini_dim
+            # b x |tails| x mini_dim, fp32 for the sparse sums
+            z = z.view(-1, j1 - j0, mini_dim).transpose(0, 1).to(torch.float32, memory_format=torch.contiguous_format)
             for j in range(j0, j1):
                 s_j = torch.sparse_csr_tensor(crow, tail_pos, w_t[j], (n_out, len(tails)), check_invariants=False)
                 out[:, j] = torch.sparse.mm(s_j, z[j - j0])
-    return l2n(out.view(n_out, aspect_dim * mini_dim))
+    return l2n_(out.view(n_out, aspect_dim * mini_dim))
 
 
 def aspect_features(graph: TKGGraph, aspect: AspectGraph, train_pairs: torch.Tensor, dim: int, steps: int,
                     aspect_dim: int, mini_dim: int, generator: torch.Generator,
-                    rows: torch.Tensor | None = None) -> torch.Tensor:
+                    rows: torch.Tensor | None = None, matmul_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The output of one aspect: seed labels -> propagation -> triple view (rows ``rows``)."""
     device = graph.entity_entity.device
     e0 = seed_labels(graph.num_entities, train_pairs.cpu(), dim, generator).to(device)
     e_bar, x_cat = propagate(graph.entity_entity, aspect, e0, steps)
-    return triple_view(graph, aspect, e_bar, x_cat, aspect_dim, mini_dim, generator, rows, label_dim=dim)
+    return triple_view(graph, aspect, e_bar, x_cat, aspect_dim, mini_dim, generator, rows, label_dim=dim,
+                       matmul_dtype=matmul_dtype)

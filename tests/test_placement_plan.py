@@ -245,6 +245,29 @@ def test_planner_responds_to_the_workload():
         Workload(actor_params=1e6, batch_size=0)
 
 
+def test_gradient_syncs_count_optimizer_steps_and_use_the_reduce_scatter_bandwidth():
+    # Every optimizer step (ppo_epochs x mini_batches) synchronises the gradients once: all-reduce for a replicated
+    # role, reduce-scatter for a sharded one, at the measured reduce-scatter bandwidth when one is given.
+    hw = Hardware.cpu(2, link_bandwidth=1e8, link_latency_s=0.0)
+    train = {}
+    for mb in (1, 2):
+        w = Workload(actor_params=26e6, ppo_epochs=2, mini_batches=mb)
+        train[mb] = {name: estimate(plan, w, hw).phases["train"] for name, plan in
+                     (("dp", PlacementPlan.colocated(2)), ("sharded", PlacementPlan.colocated(2, sharded=True)))}
+    w1 = Workload(actor_params=26e6, ppo_epochs=2, mini_batches=1)
+    grad_bytes = (w1.sizes.actor + w1.sizes.critic) * hw.weight_bytes
+    extra_opt = 2 * 16 * (w1.sizes.actor + w1.sizes.critic) * 2 / hw.mem_bandwidth  # two more optimizer passes
+    allreduce = 2 * 0.5 * grad_bytes / hw.link_bandwidth  # per step, both models, n = 2
+    assert train[2]["dp"] - train[1]["dp"] == pytest.approx(2 * allreduce + extra_opt, rel=1e-6)
+    slow_rs = Hardware.cpu(2, link_bandwidth=1e8, link_latency_s=0.0, reduce_scatter_bandwidth=2.5e7)
+    w2 = Workload(actor_params=26e6, ppo_epochs=2, mini_batches=2)
+    sharded = PlacementPlan.colocated(2, sharded=True)
+    extra_rs = 4 * 0.5 * grad_bytes * (1 / 2.5e7 - 1 / 1e8)  # four reduce-scatters at a quarter of the bandwidth
+    assert estimate(sharded, w2, slow_rs).phases["train"] - train[2]["sharded"] == pytest.approx(extra_rs, rel=1e-6)
+    with pytest.raises(ValueError, match="Workload.mini_batches=0"):
+        Workload(actor_params=1e6, mini_batches=0)
+
+
 def test_compare_to_measured():
     from hf_placement import compare_to_measured
 
@@ -314,7 +337,7 @@ def test_calibration_measurements_have_the_right_shape():
 
     links = measure_links(2, sizes=[1024, 65536], repeats=1, timeout=240)
     assert links["sizes"] == [1024, 65536]
-    for op in ("p2p", "broadcast", "all_gather"):
+    for op in ("p2p", "broadcast", "all_gather", "reduce_scatter"):
         assert links["seconds"]["65536"][op] > 0 and links["fit"][op]["bandwidth"] > 0
     eff = parallel_efficiency(processes=1, seconds=0.2)
     assert eff["single_iterations"] > 0 and eff["efficiency"] > 0

@@ -209,12 +209,13 @@ def _predict(cfg: dict[str, Any], plans: dict[str, dict], phi: float, cal: dict[
     from hf_placement import Calibration, Hardware, PlacementPlan, Workload, estimate
 
     hw = Hardware.cpu(2, link_bandwidth=links["bandwidth"], link_latency_s=links["latency"],
+                      reduce_scatter_bandwidth=links["reduce_scatter_bandwidth"],
                       memory_cap_bytes=cap_bytes, parallel_efficiency=min(1.0, efficiency))
     out = {}
     for strategy, plan_dict in plans.items():
         staleness = 1 if strategy == "disaggregated-async" else 0
         wl = Workload(actor_params=phi, batch_size=cfg["batch"], prompt_len=PROMPT_LEN, response_len=cfg["response"],
-                      ppo_epochs=2, micro_batches=2, max_staleness=staleness)
+                      ppo_epochs=2, micro_batches=2, mini_batches=2, max_staleness=staleness)
         est = estimate(PlacementPlan.from_dict(plan_dict), wl, hw, Calibration(**cal), name=strategy)
         out[strategy] = {"time_s": est.time_s, "phases": est.phases, "fits": est.fits}
     return out
@@ -247,7 +248,9 @@ def measure_link_constants() -> dict[str, float]:
     links = measure_links(2, sizes=(1 << 10, 8 << 20), repeats=3)
     latency = links["fit"]["p2p"]["latency_s"]
     bandwidth = links["fit"]["all_gather"]["bandwidth"]  # the collective sharded plans pay on every forward
-    return {"latency": latency, "bandwidth": bandwidth, "raw": links}
+    # ... and the one they pay on every optimizer step (gloo emulates it, several times slower than the all-gather)
+    rs_bandwidth = links["fit"]["reduce_scatter"]["bandwidth"]
+    return {"latency": latency, "bandwidth": bandwidth, "reduce_scatter_bandwidth": rs_bandwidth, "raw": links}
 
 
 def run(configs: list[dict[str, Any]], warmup: int, iters: int, out_path: Path, eff_seconds: float) -> dict:

@@ -6,17 +6,23 @@ LightTEA code needs ~550 s + 457 s of simt pre-computation and 18.2 GB on the sa
 (shared/docs/lighttea.md section 8).
 
 Usage: ``python bench/tea/bench_lighttea.py [--data DIR] [--seeds 400] [--threads 2] [--exact] [--check-rows 512]
-[--output bench/results/tea.json]``. Writes a JSON file with per-stage times, per-round metrics, the recall of the
-candidate search and a ``summary`` object, and prints a table.
+[--repeats 3] [--output bench/results/tea.json]``. Each timed run is a fresh ``python`` process (interpreter start,
+imports, loading and alignment all inside the wall time) running the default configuration; ``summary.wall_s`` is
+the median of ``--repeats`` runs (all runs listed, their metrics must be identical). The recall of the candidate
+search is measured afterwards in one more, untimed run with ``candidate_check_rows`` (it adds an exact top-k on the
+sampled rows, which is not part of what a user runs). Writes a JSON file with per-stage times, per-round metrics,
+the recall and a ``summary`` object, and prints a table.
 
-Where the time goes (profiled with per-stage CPU time; the default run, 2 threads): the work per round is two
-aspects of label propagation (sparse products, width 512) and of the triple view (one dense ``tails x 1536 x 2720``
-product + 170 CSR products per aspect), then the top-500 search of 19,062 x 19,062 pairs. Exactly in the full
-2720-wide space that search is ~2e12 FLOP per round, about half of the original 230 s; the default searches a
-512-dim principal subspace instead (5.3x fewer FLOP), re-scores the 32 leading candidates of every row exactly and
-reports the recall of the candidate sets against the exact top-k on 512 sampled rows per round (``--exact`` runs
-the full-space search for comparison). The triple view no longer materialises a Q x width gather: the tuple sum is a
-CSR product per projection, and the seed-label third of ``E_bar P`` is computed for the seed rows only.
+Where the time goes (py-spy, 20 Hz, over the default run on 2 threads; median run 54 s): the top-500 candidate
+search is ~45% (the 19,062 x 19,062 block products in a 512-dim principal subspace, in bf16 on AMX, then
+`torch.topk` with k=500 per row, about 8 s of the 24 s, which no cheaper selection we tried beat; then re-scoring the
+64 leading candidates per row in the full 2720-wide space, a memory-bound gather that reads the candidate rows as
+fp16), the triple view ~24% (the bf16 ``tails x 1024 x 2720`` product and 170 CSR products per aspect), label
+propagation 7% (CSR products), imports 5-7%, Sinkhorn 6% (in place, ``take`` for the column gather). Steps from the
+previous 86 s (idle, same machine): bf16 search and projections -20 s, in-place row normalisation -3 s, the round-1
+pseudo-seed search reusing the evaluation search (nothing is masked yet) -3 s, in-place Sinkhorn -3 s, CSR
+propagation -1.5 s, a sort-based unique in the graph build (NumPy 2.3's hash-based ``np.unique`` took 2.4 s) -2 s,
+fp16-stored re-scoring -4 s (which paid for raising the re-scored candidates from 32 to 64: H@10 0.7203 -> 0.7221).
 """
 
 from __future__ import annotations
@@ -51,6 +57,64 @@ def _cpu_model() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``--repeats`` timed child processes and one untimed diagnostics child; merge them into one record."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.child:
+        return run_once(args)
+    if not Path(args.data).is_dir():
+        print(f"data folder {args.data} not found (set HF_SCALE_SHARED_DATA or --data)", file=sys.stderr)
+        return 2
+    import statistics  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    base = [sys.executable, __file__, "--child", "--data", args.data, "--seeds", str(args.seeds), "--threads",
+            str(args.threads), "--device", args.device] + (["--reference-compat"] if args.reference_compat else []) \
+        + (["--exact"] if args.exact else [])
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.repeats + (1 if args.check_rows else 0)):
+            diag = i == args.repeats
+            out = Path(tmp) / f"run{i}.json"
+            t0 = time.perf_counter()
+            subprocess.run(base + ["--check-rows", str(args.check_rows if diag else 0), "--output", str(out)],
+                           check=True)
+            record = json.loads(out.read_text())
+            record["external_wall_s"] = round(time.perf_counter() - t0, 2)
+            runs.append(record)
+    timed, diag = runs[:args.repeats], (runs[args.repeats] if args.check_rows else None)
+    finals = {json.dumps({k: record["summary"][k] for k in ("hits@1", "hits@10", "mrr")}) for record in runs}
+    walls = [record["summary"]["wall_s"] for record in timed]
+    median = statistics.median(walls)
+    record = min(timed, key=lambda rec: abs(rec["summary"]["wall_s"] - median))  # the median run's stages
+    summary = record["summary"]
+    summary["wall_s"] = round(median, 2)
+    summary["wall_s_runs"] = walls
+    summary["external_wall_s_runs"] = [rec["external_wall_s"] for rec in timed]
+    summary["deterministic"] = len(finals) == 1
+    summary["meets"]["wall_s"] = median <= TARGETS["wall_s"]
+    summary["peak_rss_gb"] = max(rec["summary"]["peak_rss_gb"] for rec in timed)
+    summary["candidate_recall"] = diag["summary"]["candidate_recall"] if diag else None
+    record["diagnostics_run"] = ({"what": "untimed run with candidate_check_rows", "check_rows": args.check_rows,
+                                  "rounds": diag["rounds"], "wall_s": diag["summary"]["wall_s"]} if diag else None)
+    record.pop("external_wall_s", None)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"\n{args.repeats} timed runs (fresh processes): wall {walls} s, median {median:.1f} s "
+          f"(target {TARGETS['wall_s']:.0f} s); identical metrics: {summary['deterministic']}")
+    if diag:
+        for r in diag["rounds"]:
+            c = r.get("candidate_recall")
+            if c:
+                print(f"round {r['round']}: subspace candidates vs exact top-k on {c['rows']} rows: recall "
+                      f"{c['recall']:.4f}, same best candidate {c['top1']:.4f}, identical set {c['same_set']:.3f}")
+    print(f"wrote {out}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=str(DEFAULT_DATA))
     parser.add_argument("--seeds", type=int, default=400)
@@ -61,10 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check-rows", type=int, default=512,
                         help="rows per round whose candidates are compared with the exact top-k (0: off)")
     parser.add_argument("--output", default=str(ROOT / "bench" / "results" / "tea.json"))
-    args = parser.parse_args(argv)
-    if not Path(args.data).is_dir():
-        print(f"data folder {args.data} not found (set HF_SCALE_SHARED_DATA or --data)", file=sys.stderr)
-        return 2
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs, each a fresh process (median reported)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def run_once(args: argparse.Namespace) -> int:
+    """One run in this process (the child): timed from interpreter start, written to ``--output``."""
     load_before = os.getloadavg()
 
     import datasets  # noqa: PLC0415

@@ -1,0 +1,44 @@
+"""Which dtype the large approximate products run in (``LightTEAConfig.matmul_precision``).
+
+Two products dominate a LightTEA round: the candidate search in the principal subspace and the triple view's
+random projections ``E_bar P``. Both are approximations by design (the leading candidates are re-scored in fp32; the
+projections are random), so bfloat16 inputs with fp32 accumulation lose nothing measurable (see ``bench/tea``)
+while running about 3x faster where the hardware multiplies bf16 natively (CUDA, and CPUs with AMX or AVX512-BF16).
+On other CPUs bf16 matmuls are emulated and slower than fp32, so ``"auto"`` keeps fp32 there.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+PRECISIONS = ("auto", "bfloat16", "float32")
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_native_bf16() -> bool:
+    """True when /proc/cpuinfo lists AMX-BF16 or AVX512-BF16 (Linux; elsewhere False, i.e. stay in fp32)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="ignore")
+    except OSError:
+        return False
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            return bool({"amx_bf16", "avx512_bf16"} & flags)
+    return False
+
+
+def matmul_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """The dtype for the approximate products under ``precision`` on ``device``."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"matmul_precision={precision!r} is not supported: use one of {PRECISIONS}.")
+    if precision == "float32":
+        return torch.float32
+    if precision == "bfloat16":
+        return torch.bfloat16
+    if device.type == "cuda":
+        return torch.bfloat16
+    return torch.bfloat16 if device.type == "cpu" and cpu_has_native_bf16() else torch.float32
