@@ -20,9 +20,11 @@ Protocol:
 - reported per strategy: samples/s, per-phase seconds and idle seconds per rank, analytic and measured model-state
   bytes per rank, parameter bytes all-gathered per iteration;
 - planner check: `hf_placement.cost_model.estimate` with the CPU constant set, link constants measured by
-  `hf_placement.calibrate.measure_links`, the measured parallel efficiency, and phase times measured on ONE process
-  for the whole batch (`Calibration`; never the placed runs), predicts every configuration's iteration time; the
-  summary gives the maximum relative error and the regret of the planner's pick per configuration.
+  `hf_placement.calibrate.measure_links` (latency, all-gather and reduce-scatter bandwidth), the parallel
+  efficiency measured just before and after each configuration's runs (it drifts on a shared host; the pre-flight
+  value alone once put a 0.79 under a configuration that then ran at ~0.95), and phase times measured on ONE
+  process for the whole batch (`Calibration`; never the placed runs), predicts every configuration's iteration
+  time; the summary gives the maximum relative error and the regret of the planner's pick per configuration.
 """
 
 from __future__ import annotations
@@ -257,6 +259,7 @@ def run(configs: list[dict[str, Any]], warmup: int, iters: int, out_path: Path, 
     import tempfile
 
     from hf_placement import compare_to_measured, run_distributed
+    from hf_placement.calibrate import parallel_efficiency
 
     start = time.perf_counter()
     pre = preflight(eff_seconds)
@@ -269,10 +272,16 @@ def run(configs: list[dict[str, Any]], warmup: int, iters: int, out_path: Path, 
         cap = cfg["cap_phi"] * phi if cfg["cap_phi"] else None
         with tempfile.TemporaryDirectory() as tmp:
             cal = _calibrate_phases(cfg, f"{tmp}/cal")
+            # The machine's parallel efficiency drifts (a shared host): measure it around this configuration's
+            # runs and predict with their mean rather than with the one pre-flight value.
+            eff_before = parallel_efficiency(2, seconds=eff_seconds)["efficiency"]
             ranks = run_distributed(_bench_rank, 2, cfg, tmp, warmup, iters, cap, phi, timeout=1800)
+            eff_after = parallel_efficiency(2, seconds=eff_seconds)["efficiency"]
+        efficiency = (eff_before + eff_after) / 2
         entry: dict[str, Any] = {"config": {**cfg, "params_per_model": phi, "cap_bytes": cap,
                                             "prompt_len": PROMPT_LEN},
-                                 "calibration": cal, "strategies": {}}
+                                 "calibration": cal, "strategies": {},
+                                 "parallel_efficiency": {"before": eff_before, "after": eff_after, "used": efficiency}}
         for s in STRATEGIES:
             # iteration wall time = max over ranks of the barrier-to-barrier time (equal up to barrier skew)
             walls = [max(r[s]["iter_s"][i] for r in ranks) for i in range(iters)]
@@ -291,7 +300,7 @@ def run(configs: list[dict[str, Any]], warmup: int, iters: int, out_path: Path, 
                 "plan": ranks[0][s]["plan"], "sharded": bool(ranks[0][s]["plan"]["sharded_roles"]),
                 "ranks": per_rank}
         plans = {s: entry["strategies"][s]["plan"] for s in STRATEGIES}
-        entry["predicted"] = _predict(cfg, plans, phi, cal, links, pre["efficiency"], cap)
+        entry["predicted"] = _predict(cfg, plans, phi, cal, links, efficiency, cap)
         measured = {s: entry["strategies"][s]["iter_s_median"] for s in STRATEGIES}
         entry["planner"] = compare_to_measured({s: entry["predicted"][s]["time_s"] for s in STRATEGIES}, measured)
         col = entry["strategies"]["colocated"]["samples_per_s"]
