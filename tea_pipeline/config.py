@@ -14,6 +14,8 @@ from typing import Any
 FUSIONS = ("sum", "concat")
 TIE_BREAKS = ("random", "first")
 
+MATMUL_PRECISIONS = ("auto", "bfloat16", "float32")  # LightTEAConfig.matmul_precision; see precision.py
+
 
 @dataclass
 class LightTEAConfig:
@@ -112,7 +114,7 @@ class LightTEAConfig:
     candidate_dim: int | None = field(
         default=512, metadata={"help": "Rank of the subspace searched for top-k candidates (None or >= the feature "
                                           "width: exact search)."})
-    rescore_top: int = field(default=64, metadata={"help": "Leading candidates per row re-scored exactly."})
+    rescore_top: int = field(default=64, metadata={"help": "Leading candidates per row re-scored in full width."})
     matmul_precision: str = field(
         default="auto", metadata={"help": "Approximate products: 'auto', 'bfloat16' or 'float32'."})
     candidate_check_rows: int = field(
@@ -132,9 +134,9 @@ class LightTEAConfig:
         self.device = str(self.device).lower()
         self.matmul_precision = {"bf16": "bfloat16", "fp32": "float32"}.get(str(self.matmul_precision).lower(),
                                                                             str(self.matmul_precision).lower())
-        if self.matmul_precision not in ("auto", "bfloat16", "float32"):
-            raise ValueError(f"LightTEAConfig.matmul_precision={self.matmul_precision!r} is not supported: use "
-                             "'auto', 'bfloat16' or 'float32'.")
+        if self.matmul_precision not in MATMUL_PRECISIONS:
+            raise ValueError(f"LightTEAConfig.matmul_precision={self.matmul_precision!r} is not supported: use one "
+                             f"of {MATMUL_PRECISIONS}.")
         if self.reference_compat:
             # The reference ranks ties by candidate position and always runs 2 LP steps.
             self.tie_break = "first"

@@ -131,8 +131,9 @@ def time_counts(pair: TKGPair, unknown_time_id: int | None, relation_id_quirk: b
 
 
 def sorted_unique(keys: np.ndarray, return_counts: bool = False, return_inverse: bool = False):
-    """``np.unique`` for integer keys by one sort: NumPy >= 2.3 hashes first and was 8x slower on these keys
-    (2.4 s of a 3 s graph build on YAGO-WIKI20K). Same results, same order; one optional extra like np.unique."""
+    """``np.unique`` for integer keys by one sort. NumPy >= 2.3 hashes first: its ``_unique_hash`` took 2.4 s of
+    the 3.1 s graph build on YAGO-WIKI20K, which takes 0.75 s with this. Same results, same order; one optional
+    extra like np.unique."""
     if return_inverse:
         order = np.argsort(keys, kind="stable")
         ordered = keys[order]

@@ -149,7 +149,8 @@ def exact_scores(left: torch.Tensor, right: torch.Tensor, index: torch.Tensor, r
     """``left[rows[i]] . right[index[i, c]]`` in the full space (rows default: all).
 
     Rows go in chunks that gather about ``gather_rows`` candidate rows of ``right`` at a time, so the gathered block
-    stays cache-resident for the batched product (a chunk 4x larger ran 4x slower on YAGO-WIKI20K). The gather is
+    stays cache-resident for the batched product (gathering 4096 rows per chunk instead of 1024 ran 3.2x slower,
+    1.31 s -> 4.18 s for 19,500 x 32 pairs of 2720-wide rows). The gather is
     memory-bound: ``right`` may be stored in a narrower dtype (fp16 halves the bytes); the gathered rows are widened
     to ``left``'s dtype before the product, so only ``right``'s storage rounding enters the scores.
     """
@@ -185,7 +186,7 @@ def lowrank_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: in
                  generator: torch.Generator, masked_rows: torch.Tensor | None = None,
                  allowed_cols: torch.Tensor | None = None, masked_k: int = 0,
                  matmul_dtype: torch.dtype | None = None) -> tuple[TopK, TopK | None]:
-    """Top-k candidates found in a rank-``rank`` principal subspace, leading ``rescore`` re-scored exactly.
+    """Top-k candidates found in a rank-``rank`` principal subspace, leading ``rescore`` re-scored in full width.
 
     Same interface as `blocked_topk`, whose search it runs on the projected features: the block products then cost
     ``rank / D`` of the full ones. With ``rank >= D`` and ``rescore >= k`` the result equals `blocked_topk` up to
@@ -194,19 +195,19 @@ def lowrank_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: in
     4e-5, mean 5e-6, i.e. at most 0.2% of a Sinkhorn weight at temperature 0.02) and computes in ``left``'s dtype.
     """
     basis = principal_basis(left, right, rank, generator, matmul_dtype=matmul_dtype)
-    if matmul_dtype is not None and matmul_dtype != left.dtype:
-        low = basis.to(matmul_dtype)
-        pl, pr = left.to(matmul_dtype) @ low, right.to(matmul_dtype) @ low
+    low = matmul_dtype is not None and matmul_dtype != left.dtype
+    if low:
+        lb = basis.to(matmul_dtype)
+        pl, pr = left.to(matmul_dtype) @ lb, right.to(matmul_dtype) @ lb
     else:
         pl, pr = left @ basis, right @ basis
     full, masked = blocked_topk(pl, pr, k, block_rows, masked_rows, allowed_cols, masked_k)
     del pl, pr
-    lowp = matmul_dtype is not None and matmul_dtype != left.dtype
-    if full.values.dtype != left.dtype:
+    if low:  # the search's values come back in bf16; re-scoring and Sinkhorn work in left's dtype
         full = TopK(full.values.to(left.dtype), full.index)
         if masked is not None:
             masked = TopK(masked.values.to(left.dtype), masked.index)
-    stored = right.to(torch.float16) if lowp and rescore > 0 else right
+    stored = right.to(torch.float16) if low and rescore > 0 else right
     full = rescore_topk(left, stored, full, rescore)
     if masked is not None:
         masked = rescore_topk(left, stored, masked, rescore, rows=torch.nonzero(masked_rows)[:, 0])

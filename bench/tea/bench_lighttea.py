@@ -13,16 +13,19 @@ search is measured afterwards in one more, untimed run with ``candidate_check_ro
 sampled rows, which is not part of what a user runs). Writes a JSON file with per-stage times, per-round metrics,
 the recall and a ``summary`` object, and prints a table.
 
-Where the time goes (py-spy, 20 Hz, over the default run on 2 threads; median run 54 s): the top-500 candidate
-search is ~45% (the 19,062 x 19,062 block products in a 512-dim principal subspace, in bf16 on AMX, then
-`torch.topk` with k=500 per row, about 8 s of the 24 s, which no cheaper selection we tried beat; then re-scoring the
-64 leading candidates per row in the full 2720-wide space, a memory-bound gather that reads the candidate rows as
-fp16), the triple view ~24% (the bf16 ``tails x 1024 x 2720`` product and 170 CSR products per aspect), label
-propagation 7% (CSR products), imports 5-7%, Sinkhorn 6% (in place, ``take`` for the column gather). Steps from the
-previous 86 s (idle, same machine): bf16 search and projections -20 s, in-place row normalisation -3 s, the round-1
-pseudo-seed search reusing the evaluation search (nothing is masked yet) -3 s, in-place Sinkhorn -3 s, CSR
-propagation -1.5 s, a sort-based unique in the graph build (NumPy 2.3's hash-based ``np.unique`` took 2.4 s) -2 s,
-fp16-stored re-scoring -4 s (which paid for raising the re-scored candidates from 32 to 64: H@10 0.7203 -> 0.7221).
+Where the time goes (stage timers of the median run, 54 s, 2 threads; py-spy at 20 Hz for the split inside a stage):
+the top-500 candidate search 45% (block products in a 512-dim principal subspace, bf16 on AMX; then `torch.topk`
+with k=500 per row, about 8 s of its 24 s, where a sampled-threshold selection we tried was 2.7x slower; then re-
+scoring the 64 leading candidates of every row in the full 2720-wide space, a memory-bound gather that reads the
+candidate rows as fp16), the triple view 24% (the bf16 ``tails x 1024 x 2720`` product and 170 CSR products per
+aspect), label propagation 7% (CSR products), imports 7%, Sinkhorn 5% (in place, ``take`` for the column gather).
+Steps from the previous 86 s (idle, same machine, one run per step, ``--check-rows 0``): bf16 search and projections
++ in-place row normalisation + the round-1 pseudo-seed search reusing the evaluation search (nothing is masked yet)
+86 -> 66 s; in-place Sinkhorn (bit-identical; 1.73 -> 1.13 s per 19,500 x 500 call) + CSR propagation + a bf16 Gram
+matrix for the basis 66 -> 56 s; a sort-based unique in the graph build (graph stage 3.1 -> 0.75 s; NumPy 2.3's
+hash-based ``np.unique`` took 2.4 s) + a CSR tuple product; then re-scoring 64 instead of 32 candidates (H@10 0.7203
+-> 0.7221), paid for by reading the candidate rows as fp16 (the gather is memory-bound: 2.2-2.5 s per call vs
+1.9-5.7 s in fp32 on this host; max abs score error 4e-5).
 """
 
 from __future__ import annotations
