@@ -361,21 +361,43 @@ def _ack(st: JobState, req: dict, now: float) -> Decision:
         if cur.state == DOING and cur.owner == rank and cur.incarnation == inc and k not in updates:
             updates[k] = dataclasses.replace(cur, deadline=now + st.job.lease_ttl_s)
     d = Decision(reply={}, shards=list({**changed, **updates}.values()))
-    metrics = req.get("metrics")
+    reports = _metrics_list(req.get("metrics"))
     control = st.control
-    if metrics is not None:
-        if not isinstance(metrics, dict):
-            raise BadRequestError("field 'metrics' must be an object {step, samples, compute_s}.")
-        step = _int(metrics, "step", 0)
-        samples = _int(metrics, "samples", 0, 1 << 24)
-        compute_s = _num(metrics, "compute_s")
+    if reports:
         control = copy.deepcopy(st.control)
-        if monitor_observe(control["monitor"], st.monitor_cfg, rank, step, samples, compute_s):
-            remaining = _remaining_samples(st, updates)
-            control = controller_step(control, st.monitor_cfg, st.controller_cfg, remaining)
+        remaining = None
+        for step, samples, compute_s in reports:
+            # Several steps in one ack (the Agent coalesces): each closed window is a Controller round, exactly
+            # as if the steps had arrived one request each.
+            if monitor_observe(control["monitor"], st.monitor_cfg, rank, step, samples, compute_s):
+                if remaining is None:
+                    remaining = _remaining_samples(st, updates)
+                control = controller_step(control, st.monitor_cfg, st.controller_cfg, remaining)
         d.meta["control"] = control
     d.reply = {"ok": True, "plan": control["plan"]}
     return d
+
+
+MAX_METRICS_PER_ACK = 4096
+"""Most step reports one ack may carry (an Agent coalescing acks sends one per step since its last ack)."""
+
+
+def _metrics_list(metrics) -> list[tuple[int, int, float]]:
+    """Validate an ack's ``metrics``: one ``{step, samples, compute_s}`` object or a list of them, oldest first."""
+    if metrics is None:
+        return []
+    many = isinstance(metrics, list)
+    if not many and not isinstance(metrics, dict):
+        raise BadRequestError("field 'metrics' must be an object {step, samples, compute_s} or a list of them.")
+    entries = metrics if many else [metrics]
+    if len(entries) > MAX_METRICS_PER_ACK:
+        raise BadRequestError(f"field 'metrics' has {len(entries)} entries; at most {MAX_METRICS_PER_ACK} per ack.")
+    out = []
+    for m in entries:
+        if not isinstance(m, dict):
+            raise BadRequestError("every entry of 'metrics' must be an object {step, samples, compute_s}.")
+        out.append((_int(m, "step", 0), _int(m, "samples", 0, 1 << 24), _num(m, "compute_s")))
+    return out
 
 
 def _remaining_samples(st: JobState, updates: dict) -> int:

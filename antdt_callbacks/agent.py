@@ -5,10 +5,11 @@ When it acts (hook order of transformers 5, one optimizer step):
 - ``on_train_begin``: register with the service as (rank, ``TORCHELASTIC_RESTART_COUNT``); rank 0 restores the
   service to the snapshot of the checkpoint being resumed (snapshot 0 on a fresh start), so progress acknowledged
   after that checkpoint (by a model state that no longer exists) is rolled back; then a barrier.
-- ``on_step_end``: acknowledge the samples this step consumed and report its local compute time (asynchronously: a
-  sender thread keeps the RPC off the step's critical path); adopt a new plan from the reply (it applies from the
-  next fetch); stop training at the last batch; before a checkpoint, flush acks, barrier, and rank 0 commits the
-  service snapshot under the checkpoint's global step.
+- ``on_step_end``: queue the acknowledgement of the samples this step consumed and its local compute time; a
+  sender thread on its own clock (``AgentConfig.ack_period_s``) sends what queued since its last beat as one
+  request, off the step's critical path, and adopts a new plan from the reply (it applies from the next fetch).
+  Stop training at the last batch; before a checkpoint, flush acks, barrier, and rank 0 commits the service snapshot
+  under the checkpoint's global step.
 - ``on_save``: after a checkpoint requested for a kill-and-restart, exit with `EXIT_RESTART` so ``torchrun
   --max-restarts`` restarts the group, which resumes from that checkpoint.
 """
@@ -63,6 +64,7 @@ class AntDTAgent(TrainerCallback, ExportableState):
         self.overhead_s = 0.0
         self.steps = 0
         self._queue: queue.Queue = queue.Queue()
+        self._wake = threading.Event()  # flush / end of training: send now instead of at the next beat
         self._sender: threading.Thread | None = None
         self._error: BaseException | None = None
         self._exit_after_save = False
@@ -76,37 +78,67 @@ class AntDTAgent(TrainerCallback, ExportableState):
 
     # ------------------------------------------------------------------------------------------- sender
     def _send_loop(self) -> None:
-        assert self.dataset is not None
+        period = self.config.ack_period_s
         while True:
-            job = self._queue.get()
+            if period > 0:
+                # Own clock: a step only queues its ack (no wake-up of this thread in the middle of the training
+                # thread's Python work); whatever queued since the last beat goes out as one request.
+                self._wake.wait(period)
+                self._wake.clear()
+                jobs = self._drain(block=False)
+            else:
+                jobs = self._drain(block=True)
+            if not jobs:
+                continue
             try:
-                if job is None:
-                    return
-                items, metrics = job
-                if self._error is None:
-                    # One round trip per step: the ack carries the metrics, renews this worker's leases, and
-                    # refills the prefetch buffer when it runs low (the prefetch thread is only the fallback).
-                    lease = self.dataset.lease_request()
-                    try:
-                        reply = self.dataset.client.ack(items, metrics, lease=lease)
-                    except BaseException:
-                        if lease is not None:
-                            self.dataset.accept_lease(None)
-                        raise
-                    self.dataset.mark_acked(items)
-                    if lease is not None:
-                        self.dataset.accept_lease(reply.get("lease"))
-                    if self.dataset.apply_plan(Plan.from_dict(reply["plan"])):
-                        self.plan_version = self.dataset.plan_version
-                        logger.info("antdt rank %d: plan v%d -> batch size %d", self.dataset.rank,
-                                    self.plan_version, self.dataset.batch_size)
+                work = [job for job in jobs if job is not None]
+                if work and self._error is None:
+                    self._send(work)
             except BaseException as e:  # noqa: BLE001 - re-raised on the training thread
                 self._error = e
             finally:
-                self._queue.task_done()
+                for _ in jobs:
+                    self._queue.task_done()
+            if any(job is None for job in jobs):
+                return
+
+    def _drain(self, block: bool) -> list:
+        jobs = [self._queue.get()] if block else []
+        while True:
+            try:
+                jobs.append(self._queue.get_nowait())
+            except queue.Empty:
+                return jobs
+
+    def _send(self, work: list[tuple[list[dict], dict | None]]) -> None:
+        """One round trip for the steps in ``work``: the ack carries their metrics, renews this worker's leases,
+        and refills the prefetch buffer when it runs low (the prefetch thread is only the fallback)."""
+        assert self.dataset is not None
+        latest: dict[tuple, dict] = {}  # a shard acked by several steps: its last (largest) offset is the ack
+        for items, _ in work:
+            for it in items:
+                latest[(it["epoch"], it["shard_id"], it["token"])] = it
+        items = list(latest.values())
+        metrics = [m for _, m in work if m is not None]
+        lease = self.dataset.lease_request()
+        try:
+            reply = self.dataset.client.ack(items, (metrics[0] if len(metrics) == 1 else metrics) or None,
+                                            lease=lease)
+        except BaseException:
+            if lease is not None:
+                self.dataset.accept_lease(None)
+            raise
+        self.dataset.mark_acked(items)
+        if lease is not None:
+            self.dataset.accept_lease(reply.get("lease"))
+        if self.dataset.apply_plan(Plan.from_dict(reply["plan"])):
+            self.plan_version = self.dataset.plan_version
+            logger.info("antdt rank %d: plan v%d -> batch size %d", self.dataset.rank,
+                        self.plan_version, self.dataset.batch_size)
 
     def flush(self) -> None:
         """Wait until every queued ack is accepted; re-raise a refusal (e.g. `FencedError`) here."""
+        self._wake.set()
         self._queue.join()
         if self._error is not None:
             raise self._error
@@ -187,6 +219,7 @@ class AntDTAgent(TrainerCallback, ExportableState):
             self.flush()
         finally:
             self._queue.put(None)
+            self._wake.set()
             if self._sender is not None:
                 self._sender.join(timeout=30)
             self.dataset.close(release=self._error is None)

@@ -276,3 +276,43 @@ def test_ack_renews_the_callers_other_leases_and_can_carry_a_lease():
         decide(svc.st, {"op": "ack", "rank": 0, "incarnation": 0, "items": [{**item, "token": 999}],
                         "lease": {"request_id": "p2"}}, svc.now)
     assert svc.st.shards == before
+
+
+def test_coalesced_metrics_drive_the_controller_like_one_ack_per_step():
+    """An Agent that coalesces acks sends several steps' metrics in one request; each closed window is still a
+    Controller round, so the control state equals that of one ack per step (same order per rank)."""
+    mcfg, ccfg = MonitorConfig(window_steps=2), ControllerConfig(policy="dd", min_gain=0.0)
+    job = JobConfig(dataset_size=100, shard_size=16, world_size=2, global_batch_size=32)
+
+    def service() -> Svc:
+        svc = Svc.__new__(Svc)
+        svc.st, svc.now, svc.n = new_job_state(job, mcfg, ccfg), 1000.0, 0
+        svc("register", rank=0, incarnation=0)
+        svc("register", rank=1, incarnation=0)
+        return svc
+
+    def m(rank: int, step: int) -> dict:
+        return {"step": step, "samples": 16, "compute_s": 16 / (300.0 if rank == 0 else 100.0)}
+
+    one, many = service(), service()
+    for first in range(0, 12, 3):  # steps in groups of three, rank 0 then rank 1
+        for rank in (0, 1):
+            group = [m(rank, s) for s in range(first, first + 3)]
+            for entry in group:
+                one("ack", rank=rank, incarnation=0, items=[], metrics=entry)
+            many("ack", rank=rank, incarnation=0, items=[], metrics=group)
+    assert many.st.control == one.st.control
+    assert many.st.control["plan"]["batch_sizes"] == [24, 8]  # the fast rank got the larger share
+
+
+def test_bad_metric_lists_are_refused_and_change_nothing():
+    from antdt_callbacks._state import MAX_METRICS_PER_ACK
+
+    svc = registered()
+    before = copy.deepcopy(svc.st.control)
+    entry = {"step": 1, "samples": 4, "compute_s": 0.1}
+    for bad, reason in ([[entry, "x"], "every entry"], [[entry] * (MAX_METRICS_PER_ACK + 1), "at most"],
+                        ["fast", "an object"], [[{**entry, "samples": -1}], "samples"]):
+        with pytest.raises(BadRequestError, match=reason):
+            decide(svc.st, {"op": "ack", "rank": 0, "incarnation": 0, "items": [], "metrics": bad}, svc.now)
+    assert svc.st.control == before

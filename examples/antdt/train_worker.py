@@ -150,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sample-cost-s", type=float, default=0.0)
     ap.add_argument("--slow", default=None, help="rank=R:factor=F[:from_step=A:to_step=B:incarnation=I]")
     ap.add_argument("--fault", default=None, help="kill|stop:rank=R:step=S[:incarnation=I:seconds=T]")
+    ap.add_argument("--ack-period-s", type=float, default=None, help="AgentConfig.ack_period_s (default: its own)")
     ap.add_argument("--mode", choices=["antdt", "plain"], default="antdt")
     ap.add_argument("--batch-size", type=int, default=8, help="plain mode: per-device batch")
     ap.add_argument("--micro-cap", default=None, help="rank=R:size=S: memory cap (micro-batch size) of rank R")
@@ -178,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         cap = parse_spec(a.micro_cap)
         mine = int(cap["size"]) if cap and int(cap["rank"]) == int(os.environ.get("RANK", 0)) else None
-        agent = AntDTAgent(AgentConfig(url=a.url, max_micro_batch=mine))
+        agent = AntDTAgent(AgentConfig(url=a.url, max_micro_batch=mine,
+                                         **({} if a.ack_period_s is None else {"ack_period_s": a.ack_period_s})))
         trainer = WorkerTrainer(model=model, args=targs, train_dataset=data, callbacks=[agent, *callbacks])
     last = get_last_checkpoint(str(out)) if out.exists() else None
     if a.start_file:
