@@ -93,10 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--devices-per-node", type=int, help="devices per node")
     g.add_argument("--peak-flops", type=float, help="peak FLOP/s per device")
     g.add_argument("--mem-bandwidth", type=parse_bytes, help="memory bandwidth per device, bytes/s")
-    g = p.add_argument_group("calibration (measured on one device, whole batch)")
+    g = p.add_argument_group("calibration (measured on one device: whole batch, optionally half of it)")
     g.add_argument("--measured-generate-s", type=float, help="measured generation time, seconds")
     g.add_argument("--measured-inference-s", type=float, help="measured time of the four experience forwards")
     g.add_argument("--measured-train-s", type=float, help="measured actor+critic training time")
+    g.add_argument("--measured-generate-half-s", type=float,
+                   help="generation time on half the batch (with the whole-batch time: fixed vs per-sample work)")
+    g.add_argument("--measured-inference-half-s", type=float, help="the four forwards on half the batch")
+    g.add_argument("--measured-train-half-s", type=float, help="training on half the batch")
     p.add_argument("--output", type=Path, help="write the ranking as JSON here")
     c = sub.add_parser("calibrate", help="measure gloo links and parallel efficiency on this machine",
                        description="Measure p2p / broadcast / all-gather latency and bandwidth between local gloo "
@@ -105,7 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--world-size", type=int, default=2, help="ranks for the link measurement (default 2)")
     c.add_argument("--sizes", default="1KB,1MB,16MB", help="comma-separated transfer sizes (default 1KB,1MB,16MB)")
     c.add_argument("--repeats", type=int, default=5, help="timed repeats per size (default 5)")
-    c.add_argument("--seconds", type=float, default=2.0, help="duration of each parallel-efficiency run (default 2)")
+    c.add_argument("--seconds", type=float, default=2.0,
+                   help="duration of each loop (alone, then together) of the 3 parallel-efficiency "
+                   "rounds (default 2)")
     c.add_argument("--output", type=Path, help="write the measurements as JSON here")
     return parser
 
@@ -165,9 +171,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         factory = Hardware.cpu if args.hardware == "cpu" else Hardware.gpu
         hardware = factory(args.devices, **overrides)
         calibration = None
-        if any(v is not None for v in (args.measured_generate_s, args.measured_inference_s, args.measured_train_s)):
-            calibration = Calibration(generate_s=args.measured_generate_s, inference_s=args.measured_inference_s,
-                                      train_s=args.measured_train_s)
+        measured = {f: getattr(args, f"measured_{f}") for f in ("generate_s", "inference_s", "train_s",
+                                                                 "generate_half_s", "inference_half_s",
+                                                                 "train_half_s")}
+        if any(v is not None for v in measured.values()):
+            calibration = Calibration(**measured)
         ranking = rank_plans(workload, hardware, calibration)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -178,18 +178,43 @@ class Hardware:
 
 @dataclass(frozen=True)
 class Calibration:
-    """Measured phase times on ONE device for the whole global batch of the workload (seconds), and measured link
-    figures. Each given phase time rescales that phase's analytic compute cost by measured / predicted."""
+    """Measured phase times on ONE device for the whole global batch of the workload (seconds), optionally also for
+    half of it.
+
+    One time per phase rescales that phase's analytic cost by measured / predicted, so the analytic model still
+    decides how the phase scales with the per-device batch. On hardware where the constants are off, that split
+    between per-call (fixed) and per-sample work is what goes wrong: on a CPU core, decoding a 7 M-parameter model
+    at batch 8-16 costs in proportion to the batch, while the default constants call it weight-read bound and predict
+    no saving from halving the batch (`bench/placement`, large-model: 0.92 s predicted vs 0.37 s measured for
+    generation on half the batch). The ``*_half_s`` times, measured the same way on half the batch, fix the split from
+    measurements: ``t(b) = t(S) * (f + (1 - f) * b / S)`` with the fixed fraction ``f = 2 t(S/2) / t(S) - 1``
+    (clamped to [0, 1]).
+    """
 
     generate_s: float | None = field(default=None, metadata={"help": "Generation of the whole batch, one device."})
     inference_s: float | None = field(default=None, metadata={"help": "All four experience forwards, one device."})
     train_s: float | None = field(default=None, metadata={"help": "Actor+critic training, one device."})
+    generate_half_s: float | None = field(default=None, metadata={"help": "Generation of half the batch."})
+    inference_half_s: float | None = field(default=None, metadata={"help": "The four forwards on half the batch."})
+    train_half_s: float | None = field(default=None, metadata={"help": "Training on half the batch."})
 
     def __post_init__(self) -> None:
-        for f in ("generate_s", "inference_s", "train_s"):
+        for f in ("generate_s", "inference_s", "train_s", "generate_half_s", "inference_half_s", "train_half_s"):
             v = getattr(self, f)
             if v is not None and not v > 0:
                 raise ValueError(f"Calibration.{f}={v!r} must be a positive number of seconds.")
+        for phase in ("generate", "inference", "train"):
+            if getattr(self, f"{phase}_half_s") is not None and getattr(self, f"{phase}_s") is None:
+                raise ValueError(f"Calibration.{phase}_half_s needs {phase}_s (the whole-batch time) as well: the "
+                                 "two together split the phase into fixed and per-sample work.")
+
+    def fixed_fraction(self, phase: str) -> float | None:
+        """Share of ``phase``'s whole-batch time that does not shrink with the batch; None without a half-batch
+        time."""
+        full, half = getattr(self, f"{phase}_s"), getattr(self, f"{phase}_half_s")
+        if full is None or half is None:
+            return None
+        return min(1.0, max(0.0, 2.0 * half / full - 1.0))
 
 
 @dataclass
@@ -225,8 +250,11 @@ class _Costs:
         self.sizes = w.sizes
         self.layers, self.hidden = w.shape()
         self.scale = {"generate": 1.0, "inference": 1.0, "train": 1.0}
+        # Two-point calibration: (whole-batch time, fixed fraction) per phase, replacing the analytic batch scaling.
+        self.measured: dict[str, tuple[float, float]] = {}
+        S = float(w.batch_size)
+        self.S = S
         if cal is not None:
-            S = float(w.batch_size)
             if cal.generate_s:
                 self.scale["generate"] = cal.generate_s / self._gen(S)
             if cal.inference_s:
@@ -234,6 +262,17 @@ class _Costs:
                 self.scale["inference"] = cal.inference_s / ref
             if cal.train_s:
                 self.scale["train"] = cal.train_s / self._train(S)
+            for phase in self.scale:
+                f = cal.fixed_fraction(phase)
+                if f is not None:
+                    self.measured[phase] = (getattr(cal, f"{phase}_s"), f)
+
+    def _batch_factor(self, phase: str, b: float) -> float | None:
+        """t(b) / t(S) from the two-point calibration of ``phase``, or None (analytic scaling)."""
+        if phase not in self.measured:
+            return None
+        f = self.measured[phase][1]
+        return f + (1.0 - f) * b / self.S
 
     # raw (unscaled) compute costs
     def _gen(self, b: float, tp: int = 1) -> float:
@@ -264,13 +303,23 @@ class _Costs:
 
     # scaled compute
     def gen(self, b: float, tp: int = 1) -> float:
-        return self.scale["generate"] * self._gen(b, tp)
+        k = self._batch_factor("generate", b)
+        if k is None:
+            return self.scale["generate"] * self._gen(b, tp)
+        # measured batch scaling; tensor parallelism keeps the analytic speed-up
+        return self.scale["generate"] * self._gen(self.S) * k * self._gen(b, tp) / self._gen(b)
 
     def fwd(self, role: str, b: float) -> float:
-        return self.scale["inference"] * self._fwd(self.sizes.params(role), b)
+        k = self._batch_factor("inference", b)
+        if k is None:
+            return self.scale["inference"] * self._fwd(self.sizes.params(role), b)
+        return self.scale["inference"] * self._fwd(self.sizes.params(role), self.S) * k
 
     def train(self, b: float) -> float:
-        return self.scale["train"] * self._train(b)
+        k = self._batch_factor("train", b)
+        if k is None:
+            return self.scale["train"] * self._train(b)
+        return self.scale["train"] * self._train(self.S) * k
 
     # communication
     def all_reduce(self, nbytes: float, ranks: list[int]) -> float:

@@ -301,6 +301,11 @@ def test_plan_cli(tmp_path, capsys):
     assert exit_info.value.code == 2 and "not a parameter count" in capsys.readouterr().err
     assert main(["plan", "--actor-params", "1M", "--devices", "2", "--batch-size", "2", "--micro-batches", "4"]) == 2
     assert "micro_batches=4 exceeds batch_size=2" in capsys.readouterr().err
+    assert main(["plan", "--actor-params", "1M", "--devices", "2", "--measured-train-half-s", "1.0"]) == 2
+    assert "train_half_s needs train_s" in capsys.readouterr().err
+    assert main(["plan", "--actor-params", "1M", "--devices", "2", "--measured-train-s", "2.0",
+                 "--measured-train-half-s", "1.0", "--output", str(out)]) == 0
+    assert json.loads(out.read_text())["calibration"]["train_half_s"] == 1.0
 
 
 # ----------------------------------------------------------------------------------------- wire format, LoRA filter
@@ -343,3 +348,33 @@ def test_calibration_measurements_have_the_right_shape():
     assert eff["single_iterations"] > 0 and eff["efficiency"] > 0
     with pytest.raises(ValueError, match="world_size >= 2"):
         measure_links(1)
+
+
+def test_two_point_calibration_splits_fixed_and_per_sample_work():
+    # A phase measured at the whole batch S and at S/2 is t(b) = t(S) * (f + (1 - f) b / S), f = 2 t(S/2)/t(S) - 1.
+    w = Workload(actor_params=7e6, batch_size=16)
+    hw = Hardware.cpu(2, parallel_efficiency=1.0)
+    plan = PlacementPlan.colocated(2)  # every rank does half the batch
+    proportional = Calibration(generate_s=1.0, generate_half_s=0.5, train_s=2.0, train_half_s=1.0,
+                               inference_s=0.4, inference_half_s=0.2)
+    fixed = Calibration(generate_s=1.0, generate_half_s=1.0, train_s=2.0, train_half_s=2.0,
+                        inference_s=0.4, inference_half_s=0.4)
+    mixed = Calibration(generate_s=1.0, generate_half_s=0.75, train_s=2.0, train_half_s=1.5,
+                        inference_s=0.4, inference_half_s=0.3)
+    est = {name: estimate(plan, w, hw, cal).phases for name, cal in
+           (("proportional", proportional), ("fixed", fixed), ("mixed", mixed))}
+    assert est["proportional"]["generate"] == pytest.approx(0.5)
+    assert est["fixed"]["generate"] == pytest.approx(1.0)
+    assert est["mixed"]["generate"] == pytest.approx(0.75)
+    assert est["proportional"]["inference"] == pytest.approx(0.2)
+    assert est["fixed"]["inference"] == pytest.approx(0.4)
+    # training adds the gradient all-reduce on top of the compute
+    allreduce = est["fixed"]["train"] - 2.0
+    assert allreduce > 0 and est["proportional"]["train"] == pytest.approx(1.0 + allreduce)
+    # the single-device whole batch is reproduced whatever the split
+    one = estimate(PlacementPlan.colocated(1), w, Hardware.cpu(1), mixed)
+    assert one.phases["generate"] == pytest.approx(1.0) and one.phases["train"] == pytest.approx(2.0)
+    assert mixed.fixed_fraction("generate") == pytest.approx(0.5) and Calibration(train_s=1.0).fixed_fraction(
+        "train") is None
+    with pytest.raises(ValueError, match="generate_half_s needs generate_s"):
+        Calibration(generate_half_s=1.0)

@@ -10,7 +10,8 @@ Protocol:
 - fixed budget: 2 processes, 1 torch thread each, the same global batch, micro-batches, response length (no stop
   token: every strategy generates exactly ``response_length`` tokens), PPO epochs and seeds for every strategy;
 - all strategies live in the same two processes and run their iterations interleaved (A B C D, D C B A, ...) so
-  drift hits them alike; 1 warm-up round, then medians (and IQR) of >= 5 timed iterations;
+  drift hits them alike; 3 warm-up rounds (with 1, the small configurations still ran 1.5x slower in their first
+  timed rounds), then medians (and IQR) of >= 5 timed iterations;
 - strategies: ``colocated`` (TRL: every model on every rank, data parallel), ``interleaved`` (ref on rank 0, reward
   on rank 1), ``disaggregated`` (trainer rank 0, generator rank 1, synchronous: staleness 0, same update as
   colocated) and ``disaggregated-async`` (staleness 1: the next batch is generated while this one trains);
@@ -21,10 +22,12 @@ Protocol:
   bytes per rank, parameter bytes all-gathered per iteration;
 - planner check: `hf_placement.cost_model.estimate` with the CPU constant set, link constants measured by
   `hf_placement.calibrate.measure_links` (latency, all-gather and reduce-scatter bandwidth), the parallel
-  efficiency measured just before and after each configuration's runs (it drifts on a shared host; the pre-flight
-  value alone once put a 0.79 under a configuration that then ran at ~0.95), and phase times measured on ONE
-  process for the whole batch (`Calibration`; never the placed runs), predicts every configuration's iteration
-  time; the summary gives the maximum relative error and the regret of the planner's pick per configuration.
+  efficiency measured just before and after each configuration's runs (median of 3 alone/together rounds each: it
+  drifts on a shared host, and the pre-flight value alone once put a 0.79 under a configuration that then ran at
+  ~0.95), and phase times measured on ONE process for the whole batch and for half of it (`Calibration`, two
+  points per phase: fixed and per-sample work; never the placed runs; measured before and after the runs, median
+  of the pooled rounds), predicts every configuration's iteration time; the summary gives the maximum relative
+  error and the regret of the planner's pick per configuration.
 """
 
 from __future__ import annotations
@@ -176,34 +179,39 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any], out_dir: str, warmup
 
 
 # ---------------------------------------------------------------------------------------------------- single process
-def _calibrate_phases(cfg: dict[str, Any], out_dir: str) -> dict[str, float]:
-    """Generation, experience forwards and training of the WHOLE batch on one process (the planner's Calibration)."""
+def _calibrate_phases(cfg: dict[str, Any], out_dir: str, warmup: int = 2, timed: int = 3) -> dict[str, list[float]]:
+    """Generation, experience forwards and training on one process (the planner's `Calibration`), for the WHOLE
+    batch and for half of it (the two points split each phase into fixed and per-sample work). Both use the placed
+    runs' rollout chunk size; the times of ``timed`` rounds after ``warmup`` (the first rounds run slow)."""
     from trl_trainers import PPOTrainer
 
     torch.set_num_threads(1)
-    tok, models, data = _parts(cfg)
-    args = _args(cfg, out_dir, 1, 3)
-    args.local_rollout_forward_batch_size = max(1, cfg["batch"] // 4)
-    t = PPOTrainer(args, tok, models["policy"], None, models["reward"], data, models["value"])
-    t.callback_handler.callbacks = []
-    times: dict[str, list[float]] = {"generate_s": [], "inference_s": [], "train_s": []}
-    for update in (1, 2, 3):
-        queries, seeds = t.local_batch(update)
-        t0 = time.perf_counter()
-        rollout = t.rollout(queries, seeds)
-        t1 = time.perf_counter()
-        scored = t.score_rollout(rollout)
-        t2 = time.perf_counter()
-        exp = t.make_experience(rollout)
-        t3 = time.perf_counter()
-        t.train_on_experience(exp, update)
-        t4 = time.perf_counter()
-        if update > 1:  # the first round warms up allocations
-            times["generate_s"].append(t1 - t0)
-            times["inference_s"].append(t2 - t1)
-            times["train_s"].append(t4 - t3)
-        del scored
-    return {k: statistics.median(v) for k, v in times.items()}
+    out: dict[str, list[float]] = {}
+    for suffix, batch in (("_s", cfg["batch"]), ("_half_s", cfg["batch"] // 2)):
+        tok, models, data = _parts(cfg)
+        args = _args({**cfg, "batch": batch}, f"{out_dir}/b{batch}", 1, warmup + timed)
+        args.local_rollout_forward_batch_size = max(1, cfg["batch"] // 4)
+        t = PPOTrainer(args, tok, models["policy"], None, models["reward"], data, models["value"])
+        t.callback_handler.callbacks = []
+        times: dict[str, list[float]] = {"generate": [], "inference": [], "train": []}
+        for update in range(1, warmup + timed + 1):
+            queries, seeds = t.local_batch(update)
+            t0 = time.perf_counter()
+            rollout = t.rollout(queries, seeds)
+            t1 = time.perf_counter()
+            scored = t.score_rollout(rollout)
+            t2 = time.perf_counter()
+            exp = t.make_experience(rollout)
+            t3 = time.perf_counter()
+            t.train_on_experience(exp, update)
+            t4 = time.perf_counter()
+            if update > warmup:
+                times["generate"].append(t1 - t0)
+                times["inference"].append(t2 - t1)
+                times["train"].append(t4 - t3)
+            del scored
+        out.update({k + suffix: v for k, v in times.items()})
+    return out
 
 
 def _predict(cfg: dict[str, Any], plans: dict[str, dict], phi: float, cal: dict[str, float], links: dict[str, float],
@@ -271,16 +279,21 @@ def run(configs: list[dict[str, Any]], warmup: int, iters: int, out_path: Path, 
         phi = float(_count_params(cfg))
         cap = cfg["cap_phi"] * phi if cfg["cap_phi"] else None
         with tempfile.TemporaryDirectory() as tmp:
-            cal = _calibrate_phases(cfg, f"{tmp}/cal")
-            # The machine's parallel efficiency drifts (a shared host): measure it around this configuration's
-            # runs and predict with their mean rather than with the one pre-flight value.
+            # The machine drifts (a shared host): the single-process phase times and the parallel efficiency are
+            # measured both before and after this configuration's runs; the planner gets the median of the pooled
+            # phase times (one calibration alone once read 0.12 s for a generation that took 0.20 s just before)
+            # and the mean of the two efficiencies (the pre-flight value alone once read 0.79 for ~0.95).
+            cal_before = _calibrate_phases(cfg, f"{tmp}/cal_before")
             eff_before = parallel_efficiency(2, seconds=eff_seconds)["efficiency"]
             ranks = run_distributed(_bench_rank, 2, cfg, tmp, warmup, iters, cap, phi, timeout=1800)
             eff_after = parallel_efficiency(2, seconds=eff_seconds)["efficiency"]
+            cal_after = _calibrate_phases(cfg, f"{tmp}/cal_after")
+        cal = {k: statistics.median(cal_before[k] + cal_after[k]) for k in cal_before}
         efficiency = (eff_before + eff_after) / 2
         entry: dict[str, Any] = {"config": {**cfg, "params_per_model": phi, "cap_bytes": cap,
                                             "prompt_len": PROMPT_LEN},
-                                 "calibration": cal, "strategies": {},
+                                 "calibration": cal, "calibration_runs": {"before": cal_before, "after": cal_after},
+                                 "strategies": {},
                                  "parallel_efficiency": {"before": eff_before, "after": eff_after, "used": efficiency}}
         for s in STRATEGIES:
             # iteration wall time = max over ranks of the barrier-to-barrier time (equal up to barrier skew)
@@ -314,6 +327,14 @@ def run(configs: list[dict[str, Any]], warmup: int, iters: int, out_path: Path, 
     return report
 
 
+STEADY_IQR = 0.25
+
+
+def _steady(e: dict[str, Any]) -> bool:
+    """Did the host hold still for this configuration: every strategy's IQR within `STEADY_IQR` of its median."""
+    return all(m["iter_s_iqr"] <= STEADY_IQR * m["iter_s_median"] for m in e["strategies"].values())
+
+
 def _report(results: list[dict], pre: dict, links: dict, warmup: int, iters: int, start: float,
             complete: bool) -> dict[str, Any]:
     import transformers
@@ -331,6 +352,13 @@ def _report(results: list[dict], pre: dict, links: dict, warmup: int, iters: int
             (min(e["vs_colocated"][s] for s in ("interleaved", "disaggregated")) for e in uncapped), default=None),
         "planner_max_rel_error": max(e["planner"]["max_rel_error"] for e in results),
         "planner_pick_regret": max(e["planner"]["pick_regret"] for e in results),
+        # How much of the error is the host: every prediction's error, and the maximum over the configurations
+        # whose measurements were steady (every strategy's IQR within STEADY_IQR of its median).
+        "planner_median_rel_error": statistics.median(abs(x) for e in results
+                                                      for x in e["planner"]["rel_error"].values()),
+        "planner_max_rel_error_steady": max((e["planner"]["max_rel_error"] for e in results if _steady(e)),
+                                            default=None),
+        "steady_configs": [e["config"]["name"] for e in results if _steady(e)],
         "interleaved_fewer_model_state_bytes": all(
             max(r["analytic_model_state_bytes"] for r in e["strategies"]["interleaved"]["ranks"])
             < max(r["analytic_model_state_bytes"] for r in e["strategies"]["colocated"]["ranks"])
@@ -379,6 +407,8 @@ def _print_summary(summary: dict[str, Any], out_path: Path) -> None:
     for k, v in summary.items():
         if isinstance(v, dict):
             v = ", ".join(f"{a} {b:.2f}" for a, b in v.items())
+        elif isinstance(v, list):
+            v = ", ".join(map(str, v))
         elif isinstance(v, float):
             v = f"{v:.3f}"
         print(f"  {k}: {v}")
@@ -388,11 +418,12 @@ def _print_summary(summary: dict[str, Any], out_path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="two small configurations (smoke run)")
-    parser.add_argument("--warmup", type=int, default=1, help="warm-up rounds (not timed)")
+    parser.add_argument("--warmup", type=int, default=3, help="warm-up rounds (not timed)")
     parser.add_argument("--iters", type=int, default=5, help="timed iterations per strategy (>= 5 for the protocol)")
     parser.add_argument("--only", nargs="*", help="run only these configuration names")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "placement.json")
-    parser.add_argument("--efficiency-seconds", type=float, default=2.0, help="duration of the pre-flight loops")
+    parser.add_argument("--efficiency-seconds", type=float, default=0.5,
+                        help="duration of each loop of the parallel-efficiency rounds (3 rounds, median)")
     ns = parser.parse_args(argv)
     if ns.iters < 1 or ns.warmup < 0:
         parser.error("--iters must be >= 1 and --warmup >= 0")
