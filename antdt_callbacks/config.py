@@ -228,9 +228,10 @@ class AgentConfig(_DictMixin):
         ack_period_s (`float`, *optional*, defaults to 0.05): the Agent's ack sender wakes on its own clock at this
             period and sends the acks of every step since its last beat as one request. A step then only queues
             its ack: waking the sender from the step's end made it compete for the GIL with the training thread's
-            Python work (4 ranks on 2 cores: 3-8 ms stalls in ~10% of steps, 0.1-0.5 ms per step on average; with
-            a 0.05 s beat at most 0.2 ms; `bench/antdt`). Acks (and plan changes) arrive at most one period plus
-            one round trip late; checkpoints flush at once. 0 wakes the sender from every step.
+            Python work (a 4-rank job with `bench/antdt`'s settings on 2 cores: 3-8 ms stalls in up to 1 step in
+            10, 0.1-0.5 ms per step on average; with a 0.05 s beat 0.03-0.09 ms on average, at most 2 ms). Acks
+            (and plan changes) arrive at most one period plus one round trip late; checkpoints flush at once. 0
+            wakes the sender from every step.
     """
 
     url: str | None = field(default=None, metadata={"help": "Service URL (default: $ANTDT_SERVICE_URL)."})

@@ -106,7 +106,7 @@ def parallel_efficiency(processes: int = 2, seconds: float = 2.0, rounds: int = 
 
     Each of ``rounds`` rounds runs one loop alone, then all together, for ``seconds`` each, in the same live worker
     processes; the result is the median over rounds. On a shared host one alone/together pair drifts: single pairs
-    in fresh processes read 0.59 and 1.25 on a machine whose median was 0.95 (`bench/placement`)."""
+    in fresh processes read 0.59 and 1.25 on a machine whose median reading was 0.97 (`bench/placement`)."""
     if processes < 1 or seconds <= 0 or rounds < 1:
         raise ValueError(f"need processes >= 1, seconds > 0 and rounds >= 1, got {processes}, {seconds}, {rounds}.")
     ctx = mp.get_context("spawn")

@@ -250,8 +250,8 @@ class _Costs:
         self.sizes = w.sizes
         self.layers, self.hidden = w.shape()
         self.scale = {"generate": 1.0, "inference": 1.0, "train": 1.0}
-        # Two-point calibration: (whole-batch time, fixed fraction) per phase, replacing the analytic batch scaling.
-        self.measured: dict[str, tuple[float, float]] = {}
+        # Two-point calibration: the measured fixed fraction per phase, replacing the analytic batch scaling.
+        self.fixed: dict[str, float] = {}
         S = float(w.batch_size)
         self.S = S
         if cal is not None:
@@ -265,13 +265,13 @@ class _Costs:
             for phase in self.scale:
                 f = cal.fixed_fraction(phase)
                 if f is not None:
-                    self.measured[phase] = (getattr(cal, f"{phase}_s"), f)
+                    self.fixed[phase] = f
 
     def _batch_factor(self, phase: str, b: float) -> float | None:
         """t(b) / t(S) from the two-point calibration of ``phase``, or None (analytic scaling)."""
-        if phase not in self.measured:
+        if phase not in self.fixed:
             return None
-        f = self.measured[phase][1]
+        f = self.fixed[phase]
         return f + (1.0 - f) * b / self.S
 
     # raw (unscaled) compute costs

@@ -10,7 +10,7 @@ Protocol:
 - fixed budget: 2 processes, 1 torch thread each, the same global batch, micro-batches, response length (no stop
   token: every strategy generates exactly ``response_length`` tokens), PPO epochs and seeds for every strategy;
 - all strategies live in the same two processes and run their iterations interleaved (A B C D, D C B A, ...) so
-  drift hits them alike; 3 warm-up rounds (with 1, the small configurations still ran 1.5x slower in their first
+  drift hits them alike; 3 warm-up rounds (with 1, the small configurations still ran 1.6-2.1x slower in their first
   timed rounds), then medians (and IQR) of >= 5 timed iterations;
 - strategies: ``colocated`` (TRL: every model on every rank, data parallel), ``interleaved`` (ref on rank 0, reward
   on rank 1), ``disaggregated`` (trainer rank 0, generator rank 1, synchronous: staleness 0, same update as
@@ -281,8 +281,9 @@ def run(configs: list[dict[str, Any]], warmup: int, iters: int, out_path: Path, 
         with tempfile.TemporaryDirectory() as tmp:
             # The machine drifts (a shared host): the single-process phase times and the parallel efficiency are
             # measured both before and after this configuration's runs; the planner gets the median of the pooled
-            # phase times (one calibration alone once read 0.12 s for a generation that took 0.20 s just before)
-            # and the mean of the two efficiencies (the pre-flight value alone once read 0.79 for ~0.95).
+            # phase times (one calibration alone once read 0.12 s for a generation measured at 0.20 s in the
+            # configuration before) and the mean of the two efficiencies (the pre-flight value alone once read 0.79
+            # for ~0.95).
             cal_before = _calibrate_phases(cfg, f"{tmp}/cal_before")
             eff_before = parallel_efficiency(2, seconds=eff_seconds)["efficiency"]
             ranks = run_distributed(_bench_rank, 2, cfg, tmp, warmup, iters, cap, phi, timeout=1800)
