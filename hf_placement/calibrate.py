@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["measure_links", "parallel_efficiency"]
+__all__ = ["measure_links", "parallel_efficiency", "spin_for"]
 
 
 def _link_rank(rank: int, world: int, sizes: Sequence[int], repeats: int) -> dict[str, Any]:
@@ -85,20 +85,31 @@ def measure_links(world_size: int = 2, sizes: Sequence[int] = (1 << 10, 1 << 20,
     return {"world_size": world_size, "sizes": sizes, "seconds": seconds, "fit": fit}
 
 
+def spin_for(seconds: float) -> int:
+    """Run the reference matmul loop (256 x 256, in the caller's torch threads) for ``seconds``; iterations done.
+
+    The unit of `parallel_efficiency`; also callable inside already-running ranks (the placement benchmark measures
+    the efficiency of its own pinned ranks with it)."""
+    import torch
+
+    a = torch.randn(256, 256) / 16
+    n = 0
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a = torch.tanh(a @ a)
+        n += 1
+    return n
+
+
 def _spin_worker(commands: Any, results: Any) -> None:
-    """Matmul loop of one single-thread process: for each command (seconds), spin that long and report the
-    iteration count; ``None`` ends the worker. It stays alive between rounds, so start-up never enters a timing."""
+    """`spin_for` in one single-thread process: for each command (seconds), spin that long and report the iteration
+    count; ``None`` ends the worker. It stays alive between rounds, so start-up never enters a timing."""
     import torch
 
     torch.set_num_threads(1)
-    a = torch.randn(256, 256)
+    spin_for(0.05)
     while (seconds := commands.get()) is not None:
-        n = 0
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            a = torch.tanh(a @ a)
-            n += 1
-        results.put(n)
+        results.put(spin_for(seconds))
 
 
 def parallel_efficiency(processes: int = 2, seconds: float = 2.0, rounds: int = 3) -> dict[str, Any]:

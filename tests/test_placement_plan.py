@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -338,7 +339,7 @@ def test_lora_filter_selects_peft_adapters_only():
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_calibration_measurements_have_the_right_shape():
-    from hf_placement.calibrate import measure_links, parallel_efficiency
+    from hf_placement.calibrate import measure_links, parallel_efficiency, spin_for
 
     links = measure_links(2, sizes=[1024, 65536], repeats=1, timeout=240)
     assert links["sizes"] == [1024, 65536]
@@ -346,6 +347,10 @@ def test_calibration_measurements_have_the_right_shape():
         assert links["seconds"]["65536"][op] > 0 and links["fit"][op]["bandwidth"] > 0
     eff = parallel_efficiency(processes=1, seconds=0.2)
     assert eff["single_iterations"] > 0 and eff["efficiency"] > 0
+    # the loop unit, callable inside running ranks: it spins for the time asked (not a fixed count)
+    t0 = time.perf_counter()
+    short, long = spin_for(0.05), spin_for(0.2)
+    assert time.perf_counter() - t0 >= 0.25 and 0 < short < long
     with pytest.raises(ValueError, match="world_size >= 2"):
         measure_links(1)
 

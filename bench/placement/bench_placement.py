@@ -11,7 +11,8 @@ Protocol:
   token: every strategy generates exactly ``response_length`` tokens), PPO epochs and seeds for every strategy;
 - all strategies live in the same two processes and run their iterations interleaved (A B C D, D C B A, ...) so
   drift hits them alike; 3 warm-up rounds (with 1, the small configurations still ran 1.6-2.1x slower in their first
-  timed rounds), then medians (and IQR) of >= 5 timed iterations;
+  timed rounds), then medians (and IQR) of >= 5 timed iterations (11 for the configurations whose iterations take
+  under a second: their round-to-round spread on a shared host is up to 2x);
 - strategies: ``colocated`` (TRL: every model on every rank, data parallel), ``interleaved`` (ref on rank 0, reward
   on rank 1), ``disaggregated`` (trainer rank 0, generator rank 1, synchronous: staleness 0, same update as
   colocated) and ``disaggregated-async`` (staleness 1: the next batch is generated while this one trains);
@@ -21,13 +22,15 @@ Protocol:
 - reported per strategy: samples/s, per-phase seconds and idle seconds per rank, analytic and measured model-state
   bytes per rank, parameter bytes all-gathered per iteration;
 - planner check: `hf_placement.cost_model.estimate` with the CPU constant set, link constants measured by
-  `hf_placement.calibrate.measure_links` (latency, all-gather and reduce-scatter bandwidth), the parallel
-  efficiency measured just before and after each configuration's runs (median of 3 alone/together rounds each: it
-  drifts on a shared host, and the pre-flight value alone once put a 0.79 under a configuration that then ran at
-  ~0.95), and phase times measured on ONE process for the whole batch and for half of it (`Calibration`, two
-  points per phase: fixed and per-sample work; never the placed runs; measured before and after the runs, median
-  of the pooled rounds), predicts every configuration's iteration time; the summary gives the maximum relative
-  error and the regret of the planner's pick per configuration.
+  `hf_placement.calibrate.measure_links` (latency, all-gather and reduce-scatter bandwidth), and two inputs measured
+  INSIDE the same two processes, each taking its own slot in every round of the interleaved order: the phase times
+  of ONE process (rank 0 runs a PPO iteration on a 1-rank group for the whole batch and for half of it while rank 1
+  waits: `Calibration`, fixed and per-sample work per phase; never the placed runs) and the parallel efficiency of
+  the two pinned ranks (`hf_placement.calibrate.spin_for`: rank 0 alone, then both). The planner gets the medians
+  over the timed rounds. (Calibrating in separate processes before and after each configuration left the planner
+  up to 0.4 off when the host's speed moved between the calibration and the runs: one efficiency pair read 0.59
+  before and 0.98 after one configuration.) It predicts every configuration's iteration time; the summary gives
+  the maximum relative error and the regret of the planner's pick per configuration.
 """
 
 from __future__ import annotations
@@ -50,15 +53,18 @@ sys.path.insert(0, str(ROOT))
 PROMPT_LEN = 8
 STRATEGIES = ("colocated", "interleaved", "disaggregated", "disaggregated-async")
 
-# One axis at a time around a base point, then the memory-capped regime at two model sizes.
+# One axis at a time around a base point, then the memory-capped regime at two model sizes. ``iters``: timed
+# iterations; the small configurations take 11 (their 0.3-0.8 s iterations and phase times moved by up to 2x from
+# one round to the next on the shared host, so 5 left medians to chance), the large ones the protocol's 5.
 FULL_CONFIGS = [
-    {"name": "base", "n_layer": 2, "n_embd": 128, "batch": 16, "response": 16, "cap_phi": None},
-    {"name": "capped-base", "n_layer": 2, "n_embd": 128, "batch": 16, "response": 16, "cap_phi": 38},
-    {"name": "large-model", "n_layer": 4, "n_embd": 384, "batch": 16, "response": 16, "cap_phi": None},
-    {"name": "capped-large-model", "n_layer": 4, "n_embd": 384, "batch": 16, "response": 16, "cap_phi": 38},
-    {"name": "long-response", "n_layer": 2, "n_embd": 128, "batch": 16, "response": 48, "cap_phi": None},
-    {"name": "large-batch", "n_layer": 2, "n_embd": 128, "batch": 48, "response": 16, "cap_phi": None},
-    {"name": "capped-xl-model", "n_layer": 6, "n_embd": 512, "batch": 8, "response": 16, "cap_phi": 38},
+    {"name": "base", "n_layer": 2, "n_embd": 128, "batch": 16, "response": 16, "cap_phi": None, "iters": 11},
+    {"name": "capped-base", "n_layer": 2, "n_embd": 128, "batch": 16, "response": 16, "cap_phi": 38, "iters": 11},
+    {"name": "large-model", "n_layer": 4, "n_embd": 384, "batch": 16, "response": 16, "cap_phi": None, "iters": 5},
+    {"name": "capped-large-model", "n_layer": 4, "n_embd": 384, "batch": 16, "response": 16, "cap_phi": 38,
+     "iters": 5},
+    {"name": "long-response", "n_layer": 2, "n_embd": 128, "batch": 16, "response": 48, "cap_phi": None, "iters": 11},
+    {"name": "large-batch", "n_layer": 2, "n_embd": 128, "batch": 48, "response": 16, "cap_phi": None, "iters": 11},
+    {"name": "capped-xl-model", "n_layer": 6, "n_embd": 512, "batch": 8, "response": 16, "cap_phi": 38, "iters": 5},
 ]
 QUICK_CONFIGS = [
     {"name": "base", "n_layer": 2, "n_embd": 64, "batch": 8, "response": 8, "cap_phi": None},
@@ -130,7 +136,7 @@ def _union(intervals: list[tuple[float, float]]) -> float:
 
 
 def _bench_rank(rank: int, world: int, cfg: dict[str, Any], out_dir: str, warmup: int, iters: int,
-                cap_bytes: float | None, phi: float) -> dict[str, Any]:
+                cap_bytes: float | None, phi: float, eff_seconds: float) -> dict[str, Any]:
     import torch.distributed as dist
 
     from hf_placement import is_wait, model_state_bytes, resident_bytes
@@ -142,6 +148,14 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any], out_dir: str, warmup
     except (AttributeError, OSError):
         pass
     rounds = warmup + iters
+    # The planner's single-process calibration lives in these same processes and takes its turn in the interleaved
+    # order: rank 0 runs one PPO iteration on a 1-rank group (whole batch, then half of it) while rank 1 waits, so
+    # host drift hits the calibration and the placed runs alike (before/after calibrations in separate processes
+    # read up to 1.6x apart within one configuration).
+    solo = dist.new_group([0])
+    calibrators = _calibration_trainers(cfg, f"{out_dir}/calibration", rounds, solo) if rank == 0 else {}
+    cal_times: list[dict[str, float]] = []
+    efficiencies: list[float] = []
     trainers = {}
     for strategy in STRATEGIES:
         tok, models, data = _parts(cfg)
@@ -151,9 +165,22 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any], out_dir: str, warmup
         t.callback_handler.callbacks = []
         trainers[strategy] = t
     res: dict[str, Any] = {s: {"iter_s": [], "phases": [], "idle_s": []} for s in STRATEGIES}
+    slots = (*STRATEGIES, "calibration", "efficiency")
     for i in range(rounds):
-        order = STRATEGIES if i % 2 == 0 else tuple(reversed(STRATEGIES))
+        order = slots if i % 2 == 0 else tuple(reversed(slots))
         for strategy in order:
+            if strategy == "calibration":
+                dist.barrier()
+                times = _time_calibration_round(calibrators, i + 1) if rank == 0 else {}
+                dist.barrier()
+                if i >= warmup and rank == 0:
+                    cal_times.append(times)
+                continue
+            if strategy == "efficiency":
+                eff = _pinned_efficiency(rank, eff_seconds)
+                if i >= warmup:
+                    efficiencies.append(eff)
+                continue
             t = trainers[strategy]
             first = len(t.timeline.events)
             dist.barrier()
@@ -175,43 +202,61 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any], out_dir: str, warmup
         held = resident_bytes([t.model.policy, t.model.value_model, t.ref_model, t.reward_model], t.optimizer)
         res[strategy].update(plan=t.plan.to_dict(), analytic_bytes=analytic, resident_bytes=held,
                              gathered_bytes_per_iter=gathered / rounds, trains=t.is_training_rank)
+    res["calibration"], res["efficiency"] = cal_times, efficiencies
     return res
 
 
+def _pinned_efficiency(rank: int, seconds: float) -> float:
+    """Parallel efficiency of the two pinned bench ranks themselves: matmul iterations of rank 0 alone for
+    ``seconds``, then of both together, ``together / (2 x alone)`` (same on every rank)."""
+    import torch.distributed as dist
+
+    from hf_placement.calibrate import spin_for
+
+    dist.barrier()
+    alone = spin_for(seconds) if rank == 0 else 0
+    dist.barrier()
+    together = torch.tensor([float(spin_for(seconds))])
+    dist.all_reduce(together)
+    counts = torch.tensor([float(alone)])
+    dist.broadcast(counts, src=0)
+    return float(together.item() / (dist.get_world_size() * max(counts.item(), 1.0)))
+
+
 # ---------------------------------------------------------------------------------------------------- single process
-def _calibrate_phases(cfg: dict[str, Any], out_dir: str, warmup: int = 2, timed: int = 3) -> dict[str, list[float]]:
-    """Generation, experience forwards and training on one process (the planner's `Calibration`), for the WHOLE
-    batch and for half of it (the two points split each phase into fixed and per-sample work). Both use the placed
-    runs' rollout chunk size; the times of ``timed`` rounds after ``warmup`` (the first rounds run slow)."""
+def _calibration_trainers(cfg: dict[str, Any], out_dir: str, rounds: int, group: Any) -> dict[str, Any]:
+    """Two single-process PPO trainers on ``group`` (one rank): the WHOLE batch and half of it. The planner's
+    `Calibration` takes each phase at both sizes (fixed vs per-sample work); both use the placed runs' rollout chunk
+    size."""
     from trl_trainers import PPOTrainer
 
-    torch.set_num_threads(1)
-    out: dict[str, list[float]] = {}
+    out = {}
     for suffix, batch in (("_s", cfg["batch"]), ("_half_s", cfg["batch"] // 2)):
         tok, models, data = _parts(cfg)
-        args = _args({**cfg, "batch": batch}, f"{out_dir}/b{batch}", 1, warmup + timed)
+        args = _args({**cfg, "batch": batch}, f"{out_dir}/b{batch}", 1, rounds)
         args.local_rollout_forward_batch_size = max(1, cfg["batch"] // 4)
-        t = PPOTrainer(args, tok, models["policy"], None, models["reward"], data, models["value"])
+        t = PPOTrainer(args, tok, models["policy"], None, models["reward"], data, models["value"], group=group)
         t.callback_handler.callbacks = []
-        times: dict[str, list[float]] = {"generate": [], "inference": [], "train": []}
-        for update in range(1, warmup + timed + 1):
-            queries, seeds = t.local_batch(update)
-            t0 = time.perf_counter()
-            rollout = t.rollout(queries, seeds)
-            t1 = time.perf_counter()
-            scored = t.score_rollout(rollout)
-            t2 = time.perf_counter()
-            exp = t.make_experience(rollout)
-            t3 = time.perf_counter()
-            t.train_on_experience(exp, update)
-            t4 = time.perf_counter()
-            if update > warmup:
-                times["generate"].append(t1 - t0)
-                times["inference"].append(t2 - t1)
-                times["train"].append(t4 - t3)
-            del scored
-        out.update({k + suffix: v for k, v in times.items()})
+        out[suffix] = t
     return out
+
+
+def _time_calibration_round(calibrators: dict[str, Any], update: int) -> dict[str, float]:
+    """Generation, experience forwards and training of one PPO iteration of each calibration trainer (seconds)."""
+    times = {}
+    for suffix, t in calibrators.items():
+        queries, seeds = t.local_batch(update)
+        t0 = time.perf_counter()
+        rollout = t.rollout(queries, seeds)
+        t1 = time.perf_counter()
+        t.score_rollout(rollout)
+        t2 = time.perf_counter()
+        exp = t.make_experience(rollout)
+        t3 = time.perf_counter()
+        t.train_on_experience(exp, update)
+        t4 = time.perf_counter()
+        times.update({"generate" + suffix: t1 - t0, "inference" + suffix: t2 - t1, "train" + suffix: t4 - t3})
+    return times
 
 
 def _predict(cfg: dict[str, Any], plans: dict[str, dict], phi: float, cal: dict[str, float], links: dict[str, float],
@@ -263,11 +308,11 @@ def measure_link_constants() -> dict[str, float]:
     return {"latency": latency, "bandwidth": bandwidth, "reduce_scatter_bandwidth": rs_bandwidth, "raw": links}
 
 
-def run(configs: list[dict[str, Any]], warmup: int, iters: int, out_path: Path, eff_seconds: float) -> dict:
+def run(configs: list[dict[str, Any]], warmup: int, iters: int | None, out_path: Path, eff_seconds: float) -> dict:
+    """Every configuration in turn; ``iters`` (timed iterations) overrides each configuration's own count."""
     import tempfile
 
     from hf_placement import compare_to_measured, run_distributed
-    from hf_placement.calibrate import parallel_efficiency
 
     start = time.perf_counter()
     pre = preflight(eff_seconds)
@@ -278,27 +323,20 @@ def run(configs: list[dict[str, Any]], warmup: int, iters: int, out_path: Path, 
     for cfg in configs:
         phi = float(_count_params(cfg))
         cap = cfg["cap_phi"] * phi if cfg["cap_phi"] else None
+        n_iters = iters or cfg.get("iters", 5)
         with tempfile.TemporaryDirectory() as tmp:
-            # The machine drifts (a shared host): the single-process phase times and the parallel efficiency are
-            # measured both before and after this configuration's runs; the planner gets the median of the pooled
-            # phase times (one calibration alone once read 0.12 s for a generation measured at 0.20 s in the
-            # configuration before) and the mean of the two efficiencies (the pre-flight value alone once read 0.79
-            # for ~0.95).
-            cal_before = _calibrate_phases(cfg, f"{tmp}/cal_before")
-            eff_before = parallel_efficiency(2, seconds=eff_seconds)["efficiency"]
-            ranks = run_distributed(_bench_rank, 2, cfg, tmp, warmup, iters, cap, phi, timeout=1800)
-            eff_after = parallel_efficiency(2, seconds=eff_seconds)["efficiency"]
-            cal_after = _calibrate_phases(cfg, f"{tmp}/cal_after")
-        cal = {k: statistics.median(cal_before[k] + cal_after[k]) for k in cal_before}
-        efficiency = (eff_before + eff_after) / 2
+            ranks = run_distributed(_bench_rank, 2, cfg, tmp, warmup, n_iters, cap, phi, eff_seconds,
+                                    timeout=1800)
+        cal_rounds = ranks[0]["calibration"]
+        cal = {k: statistics.median(r[k] for r in cal_rounds) for k in cal_rounds[0]}
+        efficiency = statistics.median(ranks[0]["efficiency"])
         entry: dict[str, Any] = {"config": {**cfg, "params_per_model": phi, "cap_bytes": cap,
-                                            "prompt_len": PROMPT_LEN},
-                                 "calibration": cal, "calibration_runs": {"before": cal_before, "after": cal_after},
-                                 "strategies": {},
-                                 "parallel_efficiency": {"before": eff_before, "after": eff_after, "used": efficiency}}
+                                            "prompt_len": PROMPT_LEN, "iters": n_iters},
+                                 "calibration": cal, "calibration_rounds": cal_rounds, "strategies": {},
+                                 "parallel_efficiency": {"rounds": ranks[0]["efficiency"], "used": efficiency}}
         for s in STRATEGIES:
             # iteration wall time = max over ranks of the barrier-to-barrier time (equal up to barrier skew)
-            walls = [max(r[s]["iter_s"][i] for r in ranks) for i in range(iters)]
+            walls = [max(r[s]["iter_s"][i] for r in ranks) for i in range(n_iters)]
             med = statistics.median(walls)
             phase_names = sorted({p for r in ranks for it in r[s]["phases"] for p in it})
             per_rank = []
@@ -321,7 +359,7 @@ def run(configs: list[dict[str, Any]], warmup: int, iters: int, out_path: Path, 
         entry["vs_colocated"] = {s: entry["strategies"][s]["samples_per_s"] / col for s in STRATEGIES}
         results.append(entry)
         _print_config(entry)
-        report = _report(results, pre, links, warmup, iters, start, complete=len(results) == len(configs))
+        report = _report(results, pre, links, warmup, start, complete=len(results) == len(configs))
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps(report, indent=1, default=float))  # after every configuration
     _print_summary(report["summary"], out_path)
@@ -336,7 +374,7 @@ def _steady(e: dict[str, Any]) -> bool:
     return all(m["iter_s_iqr"] <= STEADY_IQR * m["iter_s_median"] for m in e["strategies"].values())
 
 
-def _report(results: list[dict], pre: dict, links: dict, warmup: int, iters: int, start: float,
+def _report(results: list[dict], pre: dict, links: dict, warmup: int, start: float,
             complete: bool) -> dict[str, Any]:
     import transformers
 
@@ -375,8 +413,9 @@ def _report(results: list[dict], pre: dict, links: dict, warmup: int, iters: int
                     "torch": torch.__version__, "transformers": transformers.__version__,
                     "processor": platform.processor()},
         "preflight": pre, "links": {k: v for k, v in links.items() if k != "raw"}, "links_raw": links["raw"],
-        "protocol": {"processes": 2, "threads_per_process": 1, "warmup_rounds": warmup, "timed_iterations": iters,
-                     "order": "interleaved A B C D / D C B A", "ppo_epochs": 2, "num_mini_batches": 2,
+        "protocol": {"processes": 2, "threads_per_process": 1, "warmup_rounds": warmup,
+                     "timed_iterations": {e["config"]["name"]: e["config"]["iters"] for e in results},
+                     "order": "interleaved A B C D cal eff / eff cal D C B A", "ppo_epochs": 2, "num_mini_batches": 2,
                      "prompt_len": PROMPT_LEN, "stop_token": None, "strategies": list(STRATEGIES)},
         "configs": results,
     }
@@ -420,13 +459,16 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="two small configurations (smoke run)")
     parser.add_argument("--warmup", type=int, default=3, help="warm-up rounds (not timed)")
-    parser.add_argument("--iters", type=int, default=5, help="timed iterations per strategy (>= 5 for the protocol)")
+    parser.add_argument("--iters", type=int, default=None,
+                        help="timed iterations per strategy in every configuration (default: each configuration's "
+                             "own, 5 or 11; >= 5 for the protocol)")
     parser.add_argument("--only", nargs="*", help="run only these configuration names")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "placement.json")
     parser.add_argument("--efficiency-seconds", type=float, default=0.5,
-                        help="duration of each loop of the parallel-efficiency rounds (3 rounds, median)")
+                        help="seconds of each matmul loop when measuring parallel efficiency (the pre-flight's 3 "
+                             "rounds, and rank 0 alone / both ranks in every round of a configuration)")
     ns = parser.parse_args(argv)
-    if ns.iters < 1 or ns.warmup < 0:
+    if (ns.iters is not None and ns.iters < 1) or ns.warmup < 0:
         parser.error("--iters must be >= 1 and --warmup >= 0")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
