@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--devices-per-node", type=int, help="devices per node")
     g.add_argument("--peak-flops", type=float, help="peak FLOP/s per device")
     g.add_argument("--mem-bandwidth", type=parse_bytes, help="memory bandwidth per device, bytes/s")
-    g = p.add_argument_group("calibration (measured on one device: whole batch, optionally half of it)")
+    g = p.add_argument_group("calibration (measured on one device: whole batch, optionally half of it and while "
+                             "every device runs it)")
     g.add_argument("--measured-generate-s", type=float, help="measured generation time, seconds")
     g.add_argument("--measured-inference-s", type=float, help="measured time of the four experience forwards")
     g.add_argument("--measured-train-s", type=float, help="measured actor+critic training time")
@@ -101,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="generation time on half the batch (with the whole-batch time: fixed vs per-sample work)")
     g.add_argument("--measured-inference-half-s", type=float, help="the four forwards on half the batch")
     g.add_argument("--measured-train-half-s", type=float, help="training on half the batch")
+    g.add_argument("--measured-generate-concurrent-s", type=float,
+                   help="generation of the whole batch on one device while every device generates at once (with the "
+                        "alone time: the phase's slowdown under contention; replaces the parallel efficiency)")
+    g.add_argument("--measured-inference-concurrent-s", type=float,
+                   help="the four forwards, whole batch, while every device runs them at once")
+    g.add_argument("--measured-train-concurrent-s", type=float,
+                   help="training, whole batch, while every device trains at once")
     p.add_argument("--output", type=Path, help="write the ranking as JSON here")
     c = sub.add_parser("calibrate", help="measure gloo links and parallel efficiency on this machine",
                        description="Measure p2p / broadcast / all-gather latency and bandwidth between local gloo "
@@ -173,7 +181,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         calibration = None
         measured = {f: getattr(args, f"measured_{f}") for f in ("generate_s", "inference_s", "train_s",
                                                                  "generate_half_s", "inference_half_s",
-                                                                 "train_half_s")}
+                                                                 "train_half_s", "generate_concurrent_s",
+                                                                 "inference_concurrent_s", "train_concurrent_s")}
         if any(v is not None for v in measured.values()):
             calibration = Calibration(**measured)
         ranking = rank_plans(workload, hardware, calibration)

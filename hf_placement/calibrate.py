@@ -4,6 +4,8 @@
   (the ``α`` and ``β`` of the cost model). On loopback the three differ a lot (`rlhf_placement.md` §4.5 measured a
   2 GB/s broadcast but 0.45 s for a 100 MB all-gather), so the planner's single ``β`` should come from the collective
   that dominates the plan being priced.
+- `time_collectives` / `fit_links`: the same measurement inside ranks that are already running (the placement
+  benchmark takes it between the strategies' iterations, so the constants see the host the runs see).
 - `parallel_efficiency`: throughput of ``n`` concurrent single-thread matmul loops relative to ``n`` times one loop.
   The benchmark protocol (§4.5) states it before any comparison: on a shared or oversubscribed machine two processes
   do not get two cores, which biases wall-clock comparisons against schedules that keep every rank busy.
@@ -20,45 +22,70 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["measure_links", "parallel_efficiency", "spin_for"]
+__all__ = ["fit_links", "measure_links", "parallel_efficiency", "spin_for", "time_collectives"]
 
 
-def _link_rank(rank: int, world: int, sizes: Sequence[int], repeats: int) -> dict[str, Any]:
+def time_collectives(sizes: Sequence[int], repeats: int, group: Any = None,
+                     timeout_s: float = 120.0) -> dict[str, dict[str, float]]:
+    """Median seconds per size of a p2p transfer (one way, between the group's first two ranks), a broadcast, an
+    all-gather and a reduce-scatter, in ranks that are already running: every rank of ``group`` (default: the world)
+    calls it. `measure_links` runs it in fresh processes; the placement benchmark runs it in its own ranks, between
+    the strategies' iterations, so the link constants see the same host as the runs they price."""
     import torch
     import torch.distributed as dist
 
     # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single; older releases lack the latter.
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    out: dict[str, Any] = {}
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    first, second = (dist.get_global_rank(group, r) if group is not None else r for r in (0, 1))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    out: dict[str, dict[str, float]] = {}
     for nbytes in sizes:
         buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
         times: dict[str, list[float]] = {"p2p": [], "broadcast": [], "all_gather": [], "reduce_scatter": []}
         gathered = torch.empty(buf.numel() * world)
         for _ in range(repeats + 1):  # the first round warms up connections and allocations
-            dist.barrier()
+            dist.barrier(group=group)
             t0 = time.perf_counter()
             if rank == 0:
-                dist.isend(buf, dst=1, tag=11).wait(timeout=datetime.timedelta(seconds=120))
-                dist.irecv(buf, src=1, tag=12).wait(timeout=datetime.timedelta(seconds=120))
+                dist.isend(buf, dst=second, tag=11).wait(timeout=timeout)
+                dist.irecv(buf, src=second, tag=12).wait(timeout=timeout)
             elif rank == 1:
-                dist.irecv(buf, src=0, tag=11).wait(timeout=datetime.timedelta(seconds=120))
-                dist.isend(buf, dst=0, tag=12).wait(timeout=datetime.timedelta(seconds=120))
+                dist.irecv(buf, src=first, tag=11).wait(timeout=timeout)
+                dist.isend(buf, dst=first, tag=12).wait(timeout=timeout)
             times["p2p"].append((time.perf_counter() - t0) / 2)  # one way of a round trip
-            dist.barrier()
+            dist.barrier(group=group)
             t0 = time.perf_counter()
-            dist.broadcast(buf, src=0)
+            dist.broadcast(buf, src=first, group=group)
             times["broadcast"].append(time.perf_counter() - t0)
-            dist.barrier()
+            dist.barrier(group=group)
             t0 = time.perf_counter()
-            all_gather(gathered, buf)
+            all_gather(gathered, buf, group=group)
             times["all_gather"].append(time.perf_counter() - t0)
-            dist.barrier()
+            dist.barrier(group=group)
             t0 = time.perf_counter()
-            reduce_scatter(buf, gathered, op=dist.ReduceOp.SUM)
+            reduce_scatter(buf, gathered, op=dist.ReduceOp.SUM, group=group)
             times["reduce_scatter"].append(time.perf_counter() - t0)
         out[str(nbytes)] = {k: statistics.median(v[1:]) for k, v in times.items()}
     return out
+
+
+def fit_links(seconds: dict[str, dict[str, float]], world_size: int) -> dict[str, dict[str, float]]:
+    """Per operation, ``latency_s`` (the smallest size's time) and ``bandwidth`` (bytes/s at the largest size; for
+    the all-gather and the reduce-scatter ``(n-1)/n * total bytes / time``, the cost model's convention) from
+    `time_collectives`' medians."""
+    sizes = sorted(int(k) for k in seconds)
+    small, large = str(sizes[0]), str(sizes[-1])
+    fit = {}
+    for op in ("p2p", "broadcast", "all_gather", "reduce_scatter"):
+        moved = (world_size - 1) * sizes[-1] if op in ("all_gather", "reduce_scatter") else sizes[-1]
+        fit[op] = {"latency_s": seconds[small][op], "bandwidth": moved / max(seconds[large][op], 1e-12)}
+    return fit
+
+
+def _link_rank(rank: int, world: int, sizes: Sequence[int], repeats: int) -> dict[str, dict[str, float]]:
+    return time_collectives(sizes, repeats)
 
 
 def measure_links(world_size: int = 2, sizes: Sequence[int] = (1 << 10, 1 << 20, 16 << 20), repeats: int = 5,
@@ -77,19 +104,15 @@ def measure_links(world_size: int = 2, sizes: Sequence[int] = (1 << 10, 1 << 20,
     sizes = sorted(int(s) for s in sizes)
     per_rank = run_distributed(_link_rank, world_size, sizes, repeats, timeout=timeout)
     seconds = per_rank[0]
-    small, large = str(sizes[0]), str(sizes[-1])
-    fit = {}
-    for op in ("p2p", "broadcast", "all_gather", "reduce_scatter"):
-        moved = (world_size - 1) * sizes[-1] if op in ("all_gather", "reduce_scatter") else sizes[-1]
-        fit[op] = {"latency_s": seconds[small][op], "bandwidth": moved / max(seconds[large][op], 1e-12)}
+    fit = fit_links(seconds, world_size)
     return {"world_size": world_size, "sizes": sizes, "seconds": seconds, "fit": fit}
 
 
 def spin_for(seconds: float) -> int:
     """Run the reference matmul loop (256 x 256, in the caller's torch threads) for ``seconds``; iterations done.
 
-    The unit of `parallel_efficiency`; also callable inside already-running ranks (the placement benchmark measures
-    the efficiency of its own pinned ranks with it)."""
+    The unit of `parallel_efficiency`; also callable inside already-running ranks, to read the efficiency of the
+    ranks themselves."""
     import torch
 
     a = torch.randn(256, 256) / 16

@@ -189,6 +189,12 @@ class Calibration:
     generation on half the batch). The ``*_half_s`` times, measured the same way on half the batch, fix the split from
     measurements: ``t(b) = t(S) * (f + (1 - f) * b / S)`` with the fixed fraction ``f = 2 t(S/2) / t(S) - 1``
     (clamped to [0, 1]).
+
+    The ``*_concurrent_s`` times are the whole-batch phase again, on one device while every other device runs the
+    same work at once. Their ratio to the alone time is that phase's slowdown under contention, which the model
+    applies to the phases in which all devices compute together (in place of ``Hardware.parallel_efficiency``, a
+    matmul loop's figure): on a shared 2-core host a matmul loop read 0.91 while two co-located ranks generated ~2x
+    slower than one alone (`bench/placement`, base configuration).
     """
 
     generate_s: float | None = field(default=None, metadata={"help": "Generation of the whole batch, one device."})
@@ -197,16 +203,25 @@ class Calibration:
     generate_half_s: float | None = field(default=None, metadata={"help": "Generation of half the batch."})
     inference_half_s: float | None = field(default=None, metadata={"help": "The four forwards on half the batch."})
     train_half_s: float | None = field(default=None, metadata={"help": "Training on half the batch."})
+    generate_concurrent_s: float | None = field(default=None, metadata={
+        "help": "Generation of the whole batch on one device while every device generates at once."})
+    inference_concurrent_s: float | None = field(default=None, metadata={
+        "help": "The four forwards on the whole batch, on one device while every device runs them at once."})
+    train_concurrent_s: float | None = field(default=None, metadata={
+        "help": "Training on the whole batch, on one device while every device trains at once."})
 
     def __post_init__(self) -> None:
-        for f in ("generate_s", "inference_s", "train_s", "generate_half_s", "inference_half_s", "train_half_s"):
+        for f in ("generate_s", "inference_s", "train_s", "generate_half_s", "inference_half_s", "train_half_s",
+                  "generate_concurrent_s", "inference_concurrent_s", "train_concurrent_s"):
             v = getattr(self, f)
             if v is not None and not v > 0:
                 raise ValueError(f"Calibration.{f}={v!r} must be a positive number of seconds.")
         for phase in ("generate", "inference", "train"):
-            if getattr(self, f"{phase}_half_s") is not None and getattr(self, f"{phase}_s") is None:
-                raise ValueError(f"Calibration.{phase}_half_s needs {phase}_s (the whole-batch time) as well: the "
-                                 "two together split the phase into fixed and per-sample work.")
+            for kind, why in (("half", "the two together split the phase into fixed and per-sample work"),
+                              ("concurrent", "their ratio is the phase's slowdown when every device computes")):
+                if getattr(self, f"{phase}_{kind}_s") is not None and getattr(self, f"{phase}_s") is None:
+                    raise ValueError(f"Calibration.{phase}_{kind}_s needs {phase}_s (the whole-batch time alone) as "
+                                     f"well: {why}.")
 
     def fixed_fraction(self, phase: str) -> float | None:
         """Share of ``phase``'s whole-batch time that does not shrink with the batch; None without a half-batch
@@ -215,6 +230,14 @@ class Calibration:
         if full is None or half is None:
             return None
         return min(1.0, max(0.0, 2.0 * half / full - 1.0))
+
+    def concurrent_slowdown(self, phase: str) -> float | None:
+        """How much slower ``phase`` runs when every device runs it at once than on one device alone; None without
+        a concurrent time."""
+        full, together = getattr(self, f"{phase}_s"), getattr(self, f"{phase}_concurrent_s")
+        if full is None or together is None:
+            return None
+        return together / full
 
 
 @dataclass
@@ -356,11 +379,13 @@ def estimate(plan: PlacementPlan, workload: Workload, hardware: Hardware, calibr
                          "plan for the hardware's device count.")
     c = _Costs(workload, hardware, calibration)
     w, S, K = workload, float(workload.batch_size), workload.micro_batches
-    # Phases during which every device computes at once pay the machine's parallel efficiency (CPU contention); the
-    # synchronous disaggregated schedule alternates between its sides instead.
+    # Phases during which every device computes at once pay the contention between devices: the phase's measured
+    # concurrent slowdown where the calibration has one, else the machine's parallel efficiency. The synchronous
+    # disaggregated schedule alternates between its sides instead.
     if hardware.devices > 1 and not (plan.is_disaggregated and w.max_staleness == 0):
         for k in c.scale:
-            c.scale[k] /= hardware.parallel_efficiency
+            slowdown = calibration.concurrent_slowdown(k) if calibration is not None else None
+            c.scale[k] *= slowdown if slowdown is not None else 1.0 / hardware.parallel_efficiency
     sharded = set(plan.sharded_roles)
     syncs = w.ppo_epochs * w.mini_batches  # gradient synchronisations (optimizer steps) per iteration
     phases: dict[str, float] = {}

@@ -383,3 +383,32 @@ def test_two_point_calibration_splits_fixed_and_per_sample_work():
         "train") is None
     with pytest.raises(ValueError, match="generate_half_s needs generate_s"):
         Calibration(generate_half_s=1.0)
+
+
+def test_concurrent_calibration_is_the_slowdown_of_phases_that_run_on_every_device():
+    # A phase measured alone and while every device runs it: the ratio slows exactly the phases that keep every
+    # device busy (co-located, staleness-1 disaggregated), not the alternating synchronous disaggregated schedule,
+    # and it replaces the machine's parallel efficiency for those phases.
+    w = Workload(actor_params=7e6, batch_size=16)
+    hw = Hardware.cpu(2, parallel_efficiency=0.5)
+    alone = Calibration(generate_s=1.0, generate_half_s=0.5, inference_s=0.4, inference_half_s=0.2, train_s=2.0,
+                        train_half_s=1.0)
+    contended = Calibration(**{**vars(alone), "generate_concurrent_s": 1.5, "inference_concurrent_s": 0.4,
+                               "train_concurrent_s": 3.0})
+    assert contended.concurrent_slowdown("generate") == pytest.approx(1.5)
+    assert alone.concurrent_slowdown("generate") is None
+    col = estimate(PlacementPlan.colocated(2), w, hw, contended).phases
+    assert col["generate"] == pytest.approx(0.5 * 1.5)
+    assert col["inference"] == pytest.approx(0.2)  # slowdown 1: no contention, whatever the efficiency says
+    # without concurrent times the efficiency applies (1 / 0.5)
+    assert estimate(PlacementPlan.colocated(2), w, hw, alone).phases["generate"] == pytest.approx(1.0)
+    sync = estimate(PlacementPlan.disaggregated(2), Workload(actor_params=7e6, batch_size=16, max_staleness=0), hw,
+                    contended).phases
+    assert sync["generate"] == pytest.approx(1.0)  # the generator runs alone: whole batch, no slowdown
+    async_ = estimate(PlacementPlan.disaggregated(2), Workload(actor_params=7e6, batch_size=16, max_staleness=1), hw,
+                      contended).phases
+    assert async_["generate"] == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="train_concurrent_s needs train_s"):
+        Calibration(train_concurrent_s=1.0)
+    with pytest.raises(ValueError, match="generate_concurrent_s=0"):
+        Calibration(generate_s=1.0, generate_concurrent_s=0)

@@ -21,16 +21,20 @@ Protocol:
   between 36 and 40 Φ only All-colocated must shard (40 Φ unsharded vs 36 Φ interleaved, 32 Φ / 16 Φ disaggregated);
 - reported per strategy: samples/s, per-phase seconds and idle seconds per rank, analytic and measured model-state
   bytes per rank, parameter bytes all-gathered per iteration;
-- planner check: `hf_placement.cost_model.estimate` with the CPU constant set, link constants measured by
-  `hf_placement.calibrate.measure_links` (latency, all-gather and reduce-scatter bandwidth), and two inputs measured
-  INSIDE the same two processes, each taking its own slot in every round of the interleaved order: the phase times
-  of ONE process (rank 0 runs a PPO iteration on a 1-rank group for the whole batch and for half of it while rank 1
-  waits: `Calibration`, fixed and per-sample work per phase; never the placed runs) and the parallel efficiency of
-  the two pinned ranks (`hf_placement.calibrate.spin_for`: rank 0 alone, then both). The planner gets the medians
-  over the timed rounds. (Calibrating in separate processes before and after each configuration left the planner
-  up to 0.4 off when the host's speed moved between the calibration and the runs: one efficiency pair read 0.59
-  before and 0.98 after one configuration.) It predicts every configuration's iteration time; the summary gives
-  the maximum relative error and the regret of the planner's pick per configuration.
+- planner check: `hf_placement.cost_model.estimate` with the CPU constant set and inputs measured INSIDE the same two
+  processes, each taking its own slot in every round of the interleaved order (A B C D cal links / links cal D C B A):
+  the phase times of ONE process and the link constants. Every rank holds two PPO trainers on a 1-rank group (the
+  whole batch and half of it, with the placed runs' rollout chunk and training micro-batch); rank 0 runs an iteration
+  of each while rank 1 waits (alone), then both ranks run one at once (concurrent). That gives `Calibration`: fixed
+  and per-sample work per phase, and each phase's slowdown when both ranks compute (never the placed runs). The links
+  are the ranks' own gloo group (`hf_placement.calibrate.time_collectives`: latency, all-gather and reduce-scatter
+  bandwidth at 8 MB). The planner gets the medians over the timed rounds. What each of these fixed, in earlier sweeps:
+  calibrating in separate processes before and after each configuration left the planner up to 0.4 off when the host's
+  speed moved in between; a matmul loop's parallel efficiency read 0.91 while two co-located ranks generated ~2x
+  slower than one alone (base); link constants measured once per sweep (0.18 GB/s) predicted the sharded co-located
+  plan 56% too slow on capped-large-model (measured in the loop: 0.41 GB/s, 6%); a calibration trainer with micro-
+  batches twice the placed runs' trained the whole batch ~25% faster than the disaggregated trainer does. The summary
+  gives the maximum relative error and the regret of the planner's pick per configuration.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ sys.path.insert(0, str(ROOT))
 
 PROMPT_LEN = 8
 STRATEGIES = ("colocated", "interleaved", "disaggregated", "disaggregated-async")
+LINK_SIZES = (1 << 10, 8 << 20)  # latency, and the bandwidth of transfers of the sharded plans' sizes
 
 # One axis at a time around a base point, then the memory-capped regime at two model sizes. ``iters``: timed
 # iterations; the small configurations take 11 (their 0.3-0.8 s iterations and phase times moved by up to 2x from
@@ -136,10 +141,11 @@ def _union(intervals: list[tuple[float, float]]) -> float:
 
 
 def _bench_rank(rank: int, world: int, cfg: dict[str, Any], out_dir: str, warmup: int, iters: int,
-                cap_bytes: float | None, phi: float, eff_seconds: float) -> dict[str, Any]:
+                cap_bytes: float | None, phi: float) -> dict[str, Any]:
     import torch.distributed as dist
 
     from hf_placement import is_wait, model_state_bytes, resident_bytes
+    from hf_placement.calibrate import time_collectives
     from trl_trainers import PPOTrainer
 
     torch.set_num_threads(1)
@@ -149,13 +155,14 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any], out_dir: str, warmup
         pass
     rounds = warmup + iters
     # The planner's single-process calibration lives in these same processes and takes its turn in the interleaved
-    # order: rank 0 runs one PPO iteration on a 1-rank group (whole batch, then half of it) while rank 1 waits, so
-    # host drift hits the calibration and the placed runs alike (before/after calibrations in separate processes
-    # read up to 1.6x apart within one configuration).
-    solo = dist.new_group([0])
-    calibrators = _calibration_trainers(cfg, f"{out_dir}/calibration", rounds, solo) if rank == 0 else {}
+    # order, so host drift hits the calibration and the placed runs alike (before/after calibrations in separate
+    # processes read up to 1.6x apart within one configuration): every rank holds one PPO trainer on a 1-rank group
+    # per batch size (whole, half); rank 0 runs one iteration of each while rank 1 waits (alone), then every rank
+    # runs one at once (concurrent: the contention the placed runs meet when both ranks compute).
+    solo = [dist.new_group([r]) for r in range(world)]  # created in the same order on every rank
+    calibrators = _calibration_trainers(cfg, f"{out_dir}/calibration/rank{rank}", 2 * rounds, solo[rank])
     cal_times: list[dict[str, float]] = []
-    efficiencies: list[float] = []
+    link_times: list[dict[str, dict[str, float]]] = []
     trainers = {}
     for strategy in STRATEGIES:
         tok, models, data = _parts(cfg)
@@ -165,21 +172,23 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any], out_dir: str, warmup
         t.callback_handler.callbacks = []
         trainers[strategy] = t
     res: dict[str, Any] = {s: {"iter_s": [], "phases": [], "idle_s": []} for s in STRATEGIES}
-    slots = (*STRATEGIES, "calibration", "efficiency")
+    slots = (*STRATEGIES, "calibration", "links")
     for i in range(rounds):
         order = slots if i % 2 == 0 else tuple(reversed(slots))
         for strategy in order:
             if strategy == "calibration":
                 dist.barrier()
-                times = _time_calibration_round(calibrators, i + 1) if rank == 0 else {}
+                alone = _time_calibration_round(calibrators, 2 * i + 1) if rank == 0 else {}
                 dist.barrier()
-                if i >= warmup and rank == 0:
-                    cal_times.append(times)
+                together = _time_calibration_round(calibrators, 2 * i + 2)
+                dist.barrier()
+                if i >= warmup:  # generate_s -> generate_concurrent_s, generate_half_s -> generate_concurrent_half_s
+                    cal_times.append({**alone, **{k.replace("_", "_concurrent_", 1): v for k, v in together.items()}})
                 continue
-            if strategy == "efficiency":
-                eff = _pinned_efficiency(rank, eff_seconds)
+            if strategy == "links":
+                seconds = time_collectives(LINK_SIZES, repeats=2)
                 if i >= warmup:
-                    efficiencies.append(eff)
+                    link_times.append(seconds)
                 continue
             t = trainers[strategy]
             first = len(t.timeline.events)
@@ -202,38 +211,25 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any], out_dir: str, warmup
         held = resident_bytes([t.model.policy, t.model.value_model, t.ref_model, t.reward_model], t.optimizer)
         res[strategy].update(plan=t.plan.to_dict(), analytic_bytes=analytic, resident_bytes=held,
                              gathered_bytes_per_iter=gathered / rounds, trains=t.is_training_rank)
-    res["calibration"], res["efficiency"] = cal_times, efficiencies
+    res["calibration"], res["links"] = cal_times, link_times
     return res
-
-
-def _pinned_efficiency(rank: int, seconds: float) -> float:
-    """Parallel efficiency of the two pinned bench ranks themselves: matmul iterations of rank 0 alone for
-    ``seconds``, then of both together, ``together / (2 x alone)`` (same on every rank)."""
-    import torch.distributed as dist
-
-    from hf_placement.calibrate import spin_for
-
-    dist.barrier()
-    alone = spin_for(seconds) if rank == 0 else 0
-    dist.barrier()
-    together = torch.tensor([float(spin_for(seconds))])
-    dist.all_reduce(together)
-    counts = torch.tensor([float(alone)])
-    dist.broadcast(counts, src=0)
-    return float(together.item() / (dist.get_world_size() * max(counts.item(), 1.0)))
 
 
 # ---------------------------------------------------------------------------------------------------- single process
 def _calibration_trainers(cfg: dict[str, Any], out_dir: str, rounds: int, group: Any) -> dict[str, Any]:
     """Two single-process PPO trainers on ``group`` (one rank): the WHOLE batch and half of it. The planner's
-    `Calibration` takes each phase at both sizes (fixed vs per-sample work); both use the placed runs' rollout chunk
-    size."""
+    `Calibration` takes each phase at both sizes (fixed vs per-sample work). Both use the placed runs' rollout chunk
+    and their training micro-batch (the co-located rank's: a quarter of the batch with 2 ranks and 2 mini-batches),
+    so the whole batch trains as a disaggregated trainer holding both co-located shards does (twice the micro-batches
+    of one rank), not in micro-batches twice as large (which ran ~25% faster: 0.19 vs 0.25 s, base)."""
     from trl_trainers import PPOTrainer
 
     out = {}
+    micro = cfg["batch"] // 2 // 2  # co-located: batch / world per rank, cut into num_mini_batches=2
     for suffix, batch in (("_s", cfg["batch"]), ("_half_s", cfg["batch"] // 2)):
         tok, models, data = _parts(cfg)
         args = _args({**cfg, "batch": batch}, f"{out_dir}/b{batch}", 1, rounds)
+        args.per_device_train_batch_size, args.gradient_accumulation_steps = micro, batch // micro
         args.local_rollout_forward_batch_size = max(1, cfg["batch"] // 4)
         t = PPOTrainer(args, tok, models["policy"], None, models["reward"], data, models["value"], group=group)
         t.callback_handler.callbacks = []
@@ -260,18 +256,21 @@ def _time_calibration_round(calibrators: dict[str, Any], update: int) -> dict[st
 
 
 def _predict(cfg: dict[str, Any], plans: dict[str, dict], phi: float, cal: dict[str, float], links: dict[str, float],
-             efficiency: float, cap_bytes: float | None) -> dict[str, dict[str, Any]]:
+             cap_bytes: float | None) -> dict[str, dict[str, Any]]:
+    from dataclasses import fields
+
     from hf_placement import Calibration, Hardware, PlacementPlan, Workload, estimate
 
+    # the concurrent calibration stands in for the parallel efficiency (left at 1)
     hw = Hardware.cpu(2, link_bandwidth=links["bandwidth"], link_latency_s=links["latency"],
-                      reduce_scatter_bandwidth=links["reduce_scatter_bandwidth"],
-                      memory_cap_bytes=cap_bytes, parallel_efficiency=min(1.0, efficiency))
+                      reduce_scatter_bandwidth=links["reduce_scatter_bandwidth"], memory_cap_bytes=cap_bytes)
+    calibration = Calibration(**{f.name: cal[f.name] for f in fields(Calibration) if f.name in cal})
     out = {}
     for strategy, plan_dict in plans.items():
         staleness = 1 if strategy == "disaggregated-async" else 0
         wl = Workload(actor_params=phi, batch_size=cfg["batch"], prompt_len=PROMPT_LEN, response_len=cfg["response"],
                       ppo_epochs=2, micro_batches=2, mini_batches=2, max_staleness=staleness)
-        est = estimate(PlacementPlan.from_dict(plan_dict), wl, hw, Calibration(**cal), name=strategy)
+        est = estimate(PlacementPlan.from_dict(plan_dict), wl, hw, calibration, name=strategy)
         out[strategy] = {"time_s": est.time_s, "phases": est.phases, "fits": est.fits}
     return out
 
@@ -313,6 +312,7 @@ def run(configs: list[dict[str, Any]], warmup: int, iters: int | None, out_path:
     import tempfile
 
     from hf_placement import compare_to_measured, run_distributed
+    from hf_placement.calibrate import fit_links
 
     start = time.perf_counter()
     pre = preflight(eff_seconds)
@@ -325,15 +325,22 @@ def run(configs: list[dict[str, Any]], warmup: int, iters: int | None, out_path:
         cap = cfg["cap_phi"] * phi if cfg["cap_phi"] else None
         n_iters = iters or cfg.get("iters", 5)
         with tempfile.TemporaryDirectory() as tmp:
-            ranks = run_distributed(_bench_rank, 2, cfg, tmp, warmup, n_iters, cap, phi, eff_seconds,
-                                    timeout=1800)
-        cal_rounds = ranks[0]["calibration"]
+            ranks = run_distributed(_bench_rank, 2, cfg, tmp, warmup, n_iters, cap, phi, timeout=1800)
+        # per round: rank 0's times alone; under contention, the slower rank's (the placed runs wait for it)
+        cal_rounds = [{k: max(r["calibration"][i].get(k, 0.0) for r in ranks) for k in ranks[0]["calibration"][i]}
+                      for i in range(n_iters)]
         cal = {k: statistics.median(r[k] for r in cal_rounds) for k in cal_rounds[0]}
-        efficiency = statistics.median(ranks[0]["efficiency"])
+        link_rounds = [fit_links(seconds, 2) for seconds in ranks[0]["links"]]
+        links_used = {"latency": statistics.median(f["p2p"]["latency_s"] for f in link_rounds),
+                      "bandwidth": statistics.median(f["all_gather"]["bandwidth"] for f in link_rounds),
+                      "reduce_scatter_bandwidth": statistics.median(f["reduce_scatter"]["bandwidth"]
+                                                                    for f in link_rounds)}
         entry: dict[str, Any] = {"config": {**cfg, "params_per_model": phi, "cap_bytes": cap,
                                             "prompt_len": PROMPT_LEN, "iters": n_iters},
-                                 "calibration": cal, "calibration_rounds": cal_rounds, "strategies": {},
-                                 "parallel_efficiency": {"rounds": ranks[0]["efficiency"], "used": efficiency}}
+                                 "calibration": cal, "calibration_rounds": cal_rounds,
+                                 "concurrent_slowdown": {p: cal[f"{p}_concurrent_s"] / cal[f"{p}_s"]
+                                                         for p in ("generate", "inference", "train")},
+                                 "links": {"used": links_used, "rounds": link_rounds}, "strategies": {}}
         for s in STRATEGIES:
             # iteration wall time = max over ranks of the barrier-to-barrier time (equal up to barrier skew)
             walls = [max(r[s]["iter_s"][i] for r in ranks) for i in range(n_iters)]
@@ -352,7 +359,7 @@ def run(configs: list[dict[str, Any]], warmup: int, iters: int | None, out_path:
                 "plan": ranks[0][s]["plan"], "sharded": bool(ranks[0][s]["plan"]["sharded_roles"]),
                 "ranks": per_rank}
         plans = {s: entry["strategies"][s]["plan"] for s in STRATEGIES}
-        entry["predicted"] = _predict(cfg, plans, phi, cal, links, efficiency, cap)
+        entry["predicted"] = _predict(cfg, plans, phi, cal, links_used, cap)
         measured = {s: entry["strategies"][s]["iter_s_median"] for s in STRATEGIES}
         entry["planner"] = compare_to_measured({s: entry["predicted"][s]["time_s"] for s in STRATEGIES}, measured)
         col = entry["strategies"]["colocated"]["samples_per_s"]
@@ -415,7 +422,8 @@ def _report(results: list[dict], pre: dict, links: dict, warmup: int, start: flo
         "preflight": pre, "links": {k: v for k, v in links.items() if k != "raw"}, "links_raw": links["raw"],
         "protocol": {"processes": 2, "threads_per_process": 1, "warmup_rounds": warmup,
                      "timed_iterations": {e["config"]["name"]: e["config"]["iters"] for e in results},
-                     "order": "interleaved A B C D cal eff / eff cal D C B A", "ppo_epochs": 2, "num_mini_batches": 2,
+                     "order": "interleaved A B C D cal links / links cal D C B A", "ppo_epochs": 2,
+                     "num_mini_batches": 2,
                      "prompt_len": PROMPT_LEN, "stop_token": None, "strategies": list(STRATEGIES)},
         "configs": results,
     }
@@ -437,6 +445,10 @@ def _print_config(e: dict[str, Any]) -> None:
               f"{v['samples_per_s']:>10.2f}{e['vs_colocated'][s]:>7.2f}  "
               f"{r0['analytic_model_state_bytes'] / 1e6:>7.1f}/{r1['analytic_model_state_bytes'] / 1e6:<7.1f}"
               f"{(r0['gathered_bytes_per_iter']) / 1e6:>12.1f}  {ph}; idle {r0['idle_s']:.2f}/{r1['idle_s']:.2f}")
+    sd, lk = e["concurrent_slowdown"], e["links"]["used"]
+    print(f"planner inputs (medians over the rounds): slowdown with both ranks busy generate {sd['generate']:.2f}, "
+          f"inference {sd['inference']:.2f}, train {sd['train']:.2f}; all-gather {lk['bandwidth'] / 1e9:.2f} GB/s, "
+          f"reduce-scatter {lk['reduce_scatter_bandwidth'] / 1e9:.2f} GB/s, latency {lk['latency'] * 1e3:.2f} ms")
     p = e["planner"]
     print(f"planner: pick {p['pick']}, measured best {p['measured_best']}, regret {p['pick_regret']:.1%}, max rel "
           f"error {p['max_rel_error']:.1%}")
@@ -465,8 +477,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", nargs="*", help="run only these configuration names")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "placement.json")
     parser.add_argument("--efficiency-seconds", type=float, default=0.5,
-                        help="seconds of each matmul loop when measuring parallel efficiency (the pre-flight's 3 "
-                             "rounds, and rank 0 alone / both ranks in every round of a configuration)")
+                        help="seconds of each matmul loop of the pre-flight's 3 parallel-efficiency rounds")
     ns = parser.parse_args(argv)
     if (ns.iters is not None and ns.iters < 1) or ns.warmup < 0:
         parser.error("--iters must be >= 1 and --warmup >= 0")
