@@ -28,9 +28,10 @@ __all__ = ["fit_links", "measure_links", "parallel_efficiency", "spin_for", "tim
 def time_collectives(sizes: Sequence[int], repeats: int, group: Any = None,
                      timeout_s: float = 120.0) -> dict[str, dict[str, float]]:
     """Median seconds per size of a p2p transfer (one way, between the group's first two ranks), a broadcast, an
-    all-gather and a reduce-scatter, in ranks that are already running: every rank of ``group`` (default: the world)
-    calls it. `measure_links` runs it in fresh processes; the placement benchmark runs it in its own ranks, between
-    the strategies' iterations, so the link constants see the same host as the runs they price."""
+    all-gather, a reduce-scatter and an all-reduce (``size`` bytes per rank), in ranks that are already running:
+    every rank of ``group`` (default: the world) calls it. `measure_links` runs it in fresh processes; the placement
+    benchmark runs it in its own ranks, between the strategies' iterations, so the link constants see the same host
+    as the runs they price."""
     import torch
     import torch.distributed as dist
 
@@ -43,7 +44,8 @@ def time_collectives(sizes: Sequence[int], repeats: int, group: Any = None,
     out: dict[str, dict[str, float]] = {}
     for nbytes in sizes:
         buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
-        times: dict[str, list[float]] = {"p2p": [], "broadcast": [], "all_gather": [], "reduce_scatter": []}
+        times: dict[str, list[float]] = {"p2p": [], "broadcast": [], "all_gather": [], "reduce_scatter": [],
+                                         "all_reduce": []}
         gathered = torch.empty(buf.numel() * world)
         for _ in range(repeats + 1):  # the first round warms up connections and allocations
             dist.barrier(group=group)
@@ -67,21 +69,25 @@ def time_collectives(sizes: Sequence[int], repeats: int, group: Any = None,
             t0 = time.perf_counter()
             reduce_scatter(buf, gathered, op=dist.ReduceOp.SUM, group=group)
             times["reduce_scatter"].append(time.perf_counter() - t0)
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+            times["all_reduce"].append(time.perf_counter() - t0)
         out[str(nbytes)] = {k: statistics.median(v[1:]) for k, v in times.items()}
     return out
 
 
 def fit_links(seconds: dict[str, dict[str, float]], world_size: int) -> dict[str, dict[str, float]]:
-    """Per operation, ``latency_s`` (the smallest size's time) and ``bandwidth`` (bytes/s at the largest size; for
-    the all-gather and the reduce-scatter ``(n-1)/n * total bytes / time``, the cost model's convention) from
-    `time_collectives`' medians."""
+    """Per operation, ``latency_s`` (the smallest size's time) and ``bandwidth`` (bytes/s at the largest size, in the
+    cost model's convention: ``(n-1)/n * total bytes / time`` for the all-gather and the reduce-scatter, ``2 (n-1)/n
+    * bytes / time`` for the all-reduce) from `time_collectives`' medians."""
     sizes = sorted(int(k) for k in seconds)
     small, large = str(sizes[0]), str(sizes[-1])
-    fit = {}
-    for op in ("p2p", "broadcast", "all_gather", "reduce_scatter"):
-        moved = (world_size - 1) * sizes[-1] if op in ("all_gather", "reduce_scatter") else sizes[-1]
-        fit[op] = {"latency_s": seconds[small][op], "bandwidth": moved / max(seconds[large][op], 1e-12)}
-    return fit
+    moved = {"p2p": sizes[-1], "broadcast": sizes[-1], "all_gather": (world_size - 1) * sizes[-1],
+             "reduce_scatter": (world_size - 1) * sizes[-1],
+             "all_reduce": 2 * (world_size - 1) / world_size * sizes[-1]}
+    return {op: {"latency_s": seconds[small][op], "bandwidth": moved[op] / max(seconds[large][op], 1e-12)}
+            for op in moved if op in seconds[large]}
 
 
 def _link_rank(rank: int, world: int, sizes: Sequence[int], repeats: int) -> dict[str, dict[str, float]]:

@@ -118,6 +118,10 @@ class Hardware:
         "help": "Bandwidth of a reduce-scatter, bytes/s, in the all-gather convention ((n-1)/n x total bytes / "
                 "time); default β. Set it from hf_placement.calibrate.measure_links: gloo has no native "
                 "reduce-scatter and runs it several times slower than an all-gather of the same size."})
+    all_reduce_bandwidth: float | None = field(default=None, metadata={
+        "help": "Bandwidth of an all-reduce, bytes/s, in the ring convention (2 (n-1)/n x bytes / time); default β. "
+                "gloo's native all-reduce of large buffers runs faster than its all-gather of the same size "
+                "(hf_placement.calibrate.measure_links)."})
     mfu_train: float = field(default=0.5, metadata={"help": "Training efficiency η (fraction of F)."})
     mfu_infer: float = field(default=0.5, metadata={"help": "Inference efficiency η_i (fraction of F)."})
     call_overhead_s: float = field(default=5e-3, metadata={"help": "Fixed cost per model call / decode step (o)."})
@@ -134,6 +138,9 @@ class Hardware:
         for f in ("peak_flops", "mem_bandwidth", "link_bandwidth", "mfu_train", "mfu_infer"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"Hardware.{f}={getattr(self, f)!r} must be positive.")
+        for f in ("inter_link_bandwidth", "reduce_scatter_bandwidth", "all_reduce_bandwidth"):
+            if getattr(self, f) is not None and not getattr(self, f) > 0:
+                raise ValueError(f"Hardware.{f}={getattr(self, f)!r} must be positive (or None for the default).")
         if self.memory_cap_bytes is not None and not self.memory_cap_bytes > 0:
             raise ValueError(f"Hardware.memory_cap_bytes={self.memory_cap_bytes!r} must be positive (or None).")
         if not 0 < self.parallel_efficiency <= 1.5:
@@ -349,7 +356,8 @@ class _Costs:
         n = len(ranks)
         if n <= 1:
             return 0.0
-        return 2 * (n - 1) / n * nbytes / self.hw.bandwidth(ranks) + 2 * (n - 1) * self.hw.link_latency_s
+        bw = self.hw.all_reduce_bandwidth or self.hw.bandwidth(ranks)
+        return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * self.hw.link_latency_s
 
     def all_gather(self, nbytes: float, ranks: list[int]) -> float:
         n = len(ranks)

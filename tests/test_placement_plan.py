@@ -265,6 +265,13 @@ def test_gradient_syncs_count_optimizer_steps_and_use_the_reduce_scatter_bandwid
     sharded = PlacementPlan.colocated(2, sharded=True)
     extra_rs = 4 * 0.5 * grad_bytes * (1 / 2.5e7 - 1 / 1e8)  # four reduce-scatters at a quarter of the bandwidth
     assert estimate(sharded, w2, slow_rs).phases["train"] - train[2]["sharded"] == pytest.approx(extra_rs, rel=1e-6)
+    # a replicated role's all-reduce at its own measured bandwidth (gloo's native all-reduce beats its all-gather)
+    fast_ar = Hardware.cpu(2, link_bandwidth=1e8, link_latency_s=0.0, all_reduce_bandwidth=4e8)
+    saved_ar = 4 * allreduce * (1 - 1e8 / 4e8)  # four steps at four times the bandwidth
+    dp = PlacementPlan.colocated(2)
+    assert train[2]["dp"] - estimate(dp, w2, fast_ar).phases["train"] == pytest.approx(saved_ar, rel=1e-6)
+    with pytest.raises(ValueError, match="all_reduce_bandwidth=0"):
+        Hardware.cpu(2, all_reduce_bandwidth=0)
     with pytest.raises(ValueError, match="Workload.mini_batches=0"):
         Workload(actor_params=1e6, mini_batches=0)
 
@@ -343,7 +350,7 @@ def test_calibration_measurements_have_the_right_shape():
 
     links = measure_links(2, sizes=[1024, 65536], repeats=1, timeout=240)
     assert links["sizes"] == [1024, 65536]
-    for op in ("p2p", "broadcast", "all_gather", "reduce_scatter"):
+    for op in ("p2p", "broadcast", "all_gather", "reduce_scatter", "all_reduce"):
         assert links["seconds"]["65536"][op] > 0 and links["fit"][op]["bandwidth"] > 0
     eff = parallel_efficiency(processes=1, seconds=0.2)
     assert eff["single_iterations"] > 0 and eff["efficiency"] > 0

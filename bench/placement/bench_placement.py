@@ -27,14 +27,16 @@ Protocol:
   whole batch and half of it, with the placed runs' rollout chunk and training micro-batch); rank 0 runs an iteration
   of each while rank 1 waits (alone), then both ranks run one at once (concurrent). That gives `Calibration`: fixed
   and per-sample work per phase, and each phase's slowdown when both ranks compute (never the placed runs). The links
-  are the ranks' own gloo group (`hf_placement.calibrate.time_collectives`: latency, all-gather and reduce-scatter
-  bandwidth at 8 MB). The planner gets the medians over the timed rounds. What each of these fixed, in earlier sweeps:
-  calibrating in separate processes before and after each configuration left the planner up to 0.4 off when the host's
-  speed moved in between; a matmul loop's parallel efficiency read 0.91 while two co-located ranks generated ~2x
-  slower than one alone (base); link constants measured once per sweep (0.18 GB/s) predicted the sharded co-located
-  plan 56% too slow on capped-large-model (measured in the loop: 0.41 GB/s, 6%); a calibration trainer with micro-
-  batches twice the placed runs' trained the whole batch ~25% faster than the disaggregated trainer does. The summary
-  gives the maximum relative error and the regret of the planner's pick per configuration.
+  are the ranks' own gloo group (`hf_placement.calibrate.time_collectives`: latency, all-gather, reduce-scatter and
+  all-reduce bandwidth at the size the plans move: one model's weights over the ranks). The planner gets the medians
+  over the timed rounds. What each of these fixed, in earlier sweeps: calibrating in separate processes before and
+  after each configuration left the planner up to 0.4 off when the host's speed moved in between; a matmul loop's
+  parallel efficiency read 0.91 while two co-located ranks generated ~2x slower than one alone (base); link constants
+  measured once per sweep (0.18 GB/s) predicted the sharded co-located plan 56% too slow on capped-large-model
+  (measured in the loop: 0.41 GB/s, 6%), and measured at 8 MB rather than at the plans' size left capped-xl-model's
+  sharded plan 28% too fast; a calibration trainer with micro-batches twice the placed runs' trained the whole batch
+  ~25% faster than the disaggregated trainer does. The summary gives the maximum relative error and the regret of the
+  planner's pick per configuration.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ sys.path.insert(0, str(ROOT))
 
 PROMPT_LEN = 8
 STRATEGIES = ("colocated", "interleaved", "disaggregated", "disaggregated-async")
-LINK_SIZES = (1 << 10, 8 << 20)  # latency, and the bandwidth of transfers of the sharded plans' sizes
+LINK_LATENCY_BYTES = 1 << 10
 
 # One axis at a time around a base point, then the memory-capped regime at two model sizes. ``iters``: timed
 # iterations; the small configurations take 11 (their 0.3-0.8 s iterations and phase times moved by up to 2x from
@@ -163,6 +165,10 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any], out_dir: str, warmup
     calibrators = _calibration_trainers(cfg, f"{out_dir}/calibration/rank{rank}", 2 * rounds, solo[rank])
     cal_times: list[dict[str, float]] = []
     link_times: list[dict[str, dict[str, float]]] = []
+    # Links at the size the plans move: one model's fp32 weights split over the ranks (a sharded gather's per-rank
+    # chunk, half a gradient all-reduce). gloo's bandwidth depends on it: a 28 MB-per-rank all-gather ran at 0.19
+    # GB/s where 8 MB ran at 0.44 (the 8 MB figure left capped-xl-model's sharded plan 28% too fast).
+    link_sizes = (LINK_LATENCY_BYTES, int(4 * phi) // world)
     trainers = {}
     for strategy in STRATEGIES:
         tok, models, data = _parts(cfg)
@@ -186,7 +192,7 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any], out_dir: str, warmup
                     cal_times.append({**alone, **{k.replace("_", "_concurrent_", 1): v for k, v in together.items()}})
                 continue
             if strategy == "links":
-                seconds = time_collectives(LINK_SIZES, repeats=2)
+                seconds = time_collectives(link_sizes, repeats=1)
                 if i >= warmup:
                     link_times.append(seconds)
                 continue
@@ -263,7 +269,8 @@ def _predict(cfg: dict[str, Any], plans: dict[str, dict], phi: float, cal: dict[
 
     # the concurrent calibration stands in for the parallel efficiency (left at 1)
     hw = Hardware.cpu(2, link_bandwidth=links["bandwidth"], link_latency_s=links["latency"],
-                      reduce_scatter_bandwidth=links["reduce_scatter_bandwidth"], memory_cap_bytes=cap_bytes)
+                      reduce_scatter_bandwidth=links["reduce_scatter_bandwidth"],
+                      all_reduce_bandwidth=links["all_reduce_bandwidth"], memory_cap_bytes=cap_bytes)
     calibration = Calibration(**{f.name: cal[f.name] for f in fields(Calibration) if f.name in cal})
     out = {}
     for strategy, plan_dict in plans.items():
@@ -333,6 +340,7 @@ def run(configs: list[dict[str, Any]], warmup: int, iters: int | None, out_path:
         link_rounds = [fit_links(seconds, 2) for seconds in ranks[0]["links"]]
         links_used = {"latency": statistics.median(f["p2p"]["latency_s"] for f in link_rounds),
                       "bandwidth": statistics.median(f["all_gather"]["bandwidth"] for f in link_rounds),
+                      "all_reduce_bandwidth": statistics.median(f["all_reduce"]["bandwidth"] for f in link_rounds),
                       "reduce_scatter_bandwidth": statistics.median(f["reduce_scatter"]["bandwidth"]
                                                                     for f in link_rounds)}
         entry: dict[str, Any] = {"config": {**cfg, "params_per_model": phi, "cap_bytes": cap,
@@ -448,7 +456,8 @@ def _print_config(e: dict[str, Any]) -> None:
     sd, lk = e["concurrent_slowdown"], e["links"]["used"]
     print(f"planner inputs (medians over the rounds): slowdown with both ranks busy generate {sd['generate']:.2f}, "
           f"inference {sd['inference']:.2f}, train {sd['train']:.2f}; all-gather {lk['bandwidth'] / 1e9:.2f} GB/s, "
-          f"reduce-scatter {lk['reduce_scatter_bandwidth'] / 1e9:.2f} GB/s, latency {lk['latency'] * 1e3:.2f} ms")
+          f"reduce-scatter {lk['reduce_scatter_bandwidth'] / 1e9:.2f}, all-reduce "
+          f"{lk['all_reduce_bandwidth'] / 1e9:.2f} GB/s, latency {lk['latency'] * 1e3:.2f} ms")
     p = e["planner"]
     print(f"planner: pick {p['pick']}, measured best {p['measured_best']}, regret {p['pick_regret']:.1%}, max rel "
           f"error {p['max_rel_error']:.1%}")
