@@ -22,57 +22,56 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["fit_links", "measure_links", "parallel_efficiency", "spin_for", "time_collectives"]
+__all__ = ["COLLECTIVES", "fit_links", "measure_links", "parallel_efficiency", "spin_for", "time_collectives"]
 
 
-def time_collectives(sizes: Sequence[int], repeats: int, group: Any = None,
-                     timeout_s: float = 120.0) -> dict[str, dict[str, float]]:
-    """Median seconds per size of a p2p transfer (one way, between the group's first two ranks), a broadcast, an
-    all-gather, a reduce-scatter and an all-reduce (``size`` bytes per rank), in ranks that are already running:
-    every rank of ``group`` (default: the world) calls it. `measure_links` runs it in fresh processes; the placement
-    benchmark runs it in its own ranks, between the strategies' iterations, so the link constants see the same host
-    as the runs they price."""
+COLLECTIVES = ("p2p", "broadcast", "all_gather", "reduce_scatter", "all_reduce")
+
+
+def time_collectives(sizes: Sequence[int], repeats: int, group: Any = None, timeout_s: float = 120.0,
+                     ops: Sequence[str] = COLLECTIVES) -> dict[str, dict[str, float]]:
+    """Median seconds per size of each of ``ops``: a p2p transfer (one way, between the group's first two ranks), a
+    broadcast, an all-gather, a reduce-scatter and an all-reduce (``size`` bytes per rank), in ranks that are
+    already running: every rank of ``group`` (default: the world) calls it with the same arguments. `measure_links`
+    runs it in fresh processes; the placement benchmark runs it in its own ranks, between the strategies'
+    iterations, so the link constants see the same host as the runs they price."""
     import torch
     import torch.distributed as dist
 
+    unknown = set(ops) - set(COLLECTIVES)
+    if unknown:
+        raise ValueError(f"unknown collectives {sorted(unknown)}; choose from {COLLECTIVES}.")
     # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single; older releases lack the latter.
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     first, second = (dist.get_global_rank(group, r) if group is not None else r for r in (0, 1))
     timeout = datetime.timedelta(seconds=timeout_s)
+
+    def p2p(buf: torch.Tensor, gathered: torch.Tensor) -> None:  # a round trip; halved below
+        if rank == 0:
+            dist.isend(buf, dst=second, tag=11).wait(timeout=timeout)
+            dist.irecv(buf, src=second, tag=12).wait(timeout=timeout)
+        elif rank == 1:
+            dist.irecv(buf, src=first, tag=11).wait(timeout=timeout)
+            dist.isend(buf, dst=first, tag=12).wait(timeout=timeout)
+
+    run = {"p2p": p2p,
+           "broadcast": lambda buf, gathered: dist.broadcast(buf, src=first, group=group),
+           "all_gather": lambda buf, gathered: all_gather(gathered, buf, group=group),
+           "reduce_scatter": lambda buf, gathered: reduce_scatter(buf, gathered, op=dist.ReduceOp.SUM, group=group),
+           "all_reduce": lambda buf, gathered: dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)}
     out: dict[str, dict[str, float]] = {}
     for nbytes in sizes:
         buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
-        times: dict[str, list[float]] = {"p2p": [], "broadcast": [], "all_gather": [], "reduce_scatter": [],
-                                         "all_reduce": []}
-        gathered = torch.empty(buf.numel() * world)
+        gathered = torch.empty(buf.numel() * world) if {"all_gather", "reduce_scatter"} & set(ops) else buf
+        times: dict[str, list[float]] = {op: [] for op in ops}
         for _ in range(repeats + 1):  # the first round warms up connections and allocations
-            dist.barrier(group=group)
-            t0 = time.perf_counter()
-            if rank == 0:
-                dist.isend(buf, dst=second, tag=11).wait(timeout=timeout)
-                dist.irecv(buf, src=second, tag=12).wait(timeout=timeout)
-            elif rank == 1:
-                dist.irecv(buf, src=first, tag=11).wait(timeout=timeout)
-                dist.isend(buf, dst=first, tag=12).wait(timeout=timeout)
-            times["p2p"].append((time.perf_counter() - t0) / 2)  # one way of a round trip
-            dist.barrier(group=group)
-            t0 = time.perf_counter()
-            dist.broadcast(buf, src=first, group=group)
-            times["broadcast"].append(time.perf_counter() - t0)
-            dist.barrier(group=group)
-            t0 = time.perf_counter()
-            all_gather(gathered, buf, group=group)
-            times["all_gather"].append(time.perf_counter() - t0)
-            dist.barrier(group=group)
-            t0 = time.perf_counter()
-            reduce_scatter(buf, gathered, op=dist.ReduceOp.SUM, group=group)
-            times["reduce_scatter"].append(time.perf_counter() - t0)
-            dist.barrier(group=group)
-            t0 = time.perf_counter()
-            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
-            times["all_reduce"].append(time.perf_counter() - t0)
+            for op in ops:
+                dist.barrier(group=group)
+                t0 = time.perf_counter()
+                run[op](buf, gathered)
+                times[op].append((time.perf_counter() - t0) / (2 if op == "p2p" else 1))
         out[str(nbytes)] = {k: statistics.median(v[1:]) for k, v in times.items()}
     return out
 

@@ -28,15 +28,15 @@ Protocol:
   of each while rank 1 waits (alone), then both ranks run one at once (concurrent). That gives `Calibration`: fixed
   and per-sample work per phase, and each phase's slowdown when both ranks compute (never the placed runs). The links
   are the ranks' own gloo group (`hf_placement.calibrate.time_collectives`: latency, all-gather, reduce-scatter and
-  all-reduce bandwidth at the size the plans move: one model's weights over the ranks). The planner gets the medians
-  over the timed rounds. What each of these fixed, in earlier sweeps: calibrating in separate processes before and
-  after each configuration left the planner up to 0.4 off when the host's speed moved in between; a matmul loop's
-  parallel efficiency read 0.91 while two co-located ranks generated ~2x slower than one alone (base); link constants
-  measured once per sweep (0.18 GB/s) predicted the sharded co-located plan 56% too slow on capped-large-model
-  (measured in the loop: 0.41 GB/s, 6%), and measured at 8 MB rather than at the plans' size left capped-xl-model's
-  sharded plan 28% too fast; a calibration trainer with micro-batches twice the placed runs' trained the whole batch
-  ~25% faster than the disaggregated trainer does. The summary gives the maximum relative error and the regret of the
-  planner's pick per configuration.
+  all-reduce bandwidth at the sizes the plans move: one model's weights over the ranks, and the flat gradient bucket).
+  The planner gets the medians over the timed rounds. What each of these fixed, in earlier sweeps: calibrating in
+  separate processes before and after each configuration left the planner up to 0.4 off when the host's speed moved in
+  between; a matmul loop's parallel efficiency read 0.91 while two co-located ranks generated ~2x slower than one
+  alone (base); link constants measured once per sweep (0.18 GB/s) predicted the sharded co-located plan 56% too slow
+  on capped-large-model (measured in the loop: 0.41 GB/s, 6%), and measured at 8 MB rather than at the plans' size
+  left capped-xl-model's sharded plan 28% too fast; a calibration trainer with micro-batches twice the placed runs'
+  trained the whole batch ~25% faster than the disaggregated trainer does. The summary gives the maximum relative
+  error and the regret of the planner's pick per configuration.
 """
 
 from __future__ import annotations
@@ -165,10 +165,13 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any], out_dir: str, warmup
     calibrators = _calibration_trainers(cfg, f"{out_dir}/calibration/rank{rank}", 2 * rounds, solo[rank])
     cal_times: list[dict[str, float]] = []
     link_times: list[dict[str, dict[str, float]]] = []
-    # Links at the size the plans move: one model's fp32 weights split over the ranks (a sharded gather's per-rank
-    # chunk, half a gradient all-reduce). gloo's bandwidth depends on it: a 28 MB-per-rank all-gather ran at 0.19
-    # GB/s where 8 MB ran at 0.44 (the 8 MB figure left capped-xl-model's sharded plan 28% too fast).
-    link_sizes = (LINK_LATENCY_BYTES, int(4 * phi) // world)
+    # Links at the sizes the plans move: one model's fp32 weights over the ranks (a sharded gather's per-rank chunk)
+    # and the trainer's flat gradient bucket (actor + critic) for the all-reduce. gloo's bandwidth depends on the
+    # size: a 28 MB-per-rank all-gather ran at 0.19 GB/s where 8 MB ran at 0.44 (the 8 MB figure left
+    # capped-xl-model's sharded plan 28% too fast), and a 14 MB all-reduce at 0.88 GB/s where the 57 MB bucket of
+    # large-model ran at ~0.57 (its co-located plan 21% too fast).
+    gather_sizes = (LINK_LATENCY_BYTES, int(4 * phi) // world)
+    all_reduce_sizes = (LINK_LATENCY_BYTES, int(2 * 4 * phi))
     trainers = {}
     for strategy in STRATEGIES:
         tok, models, data = _parts(cfg)
@@ -192,9 +195,10 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any], out_dir: str, warmup
                     cal_times.append({**alone, **{k.replace("_", "_concurrent_", 1): v for k, v in together.items()}})
                 continue
             if strategy == "links":
-                seconds = time_collectives(link_sizes, repeats=1)
+                gathers = time_collectives(gather_sizes, repeats=1, ops=("p2p", "all_gather", "reduce_scatter"))
+                all_reduce = time_collectives(all_reduce_sizes, repeats=1, ops=("all_reduce",))
                 if i >= warmup:
-                    link_times.append(seconds)
+                    link_times.append({"gathers": gathers, "all_reduce": all_reduce})
                 continue
             t = trainers[strategy]
             first = len(t.timeline.events)
@@ -337,7 +341,7 @@ def run(configs: list[dict[str, Any]], warmup: int, iters: int | None, out_path:
         cal_rounds = [{k: max(r["calibration"][i].get(k, 0.0) for r in ranks) for k in ranks[0]["calibration"][i]}
                       for i in range(n_iters)]
         cal = {k: statistics.median(r[k] for r in cal_rounds) for k in cal_rounds[0]}
-        link_rounds = [fit_links(seconds, 2) for seconds in ranks[0]["links"]]
+        link_rounds = [{**fit_links(r["gathers"], 2), **fit_links(r["all_reduce"], 2)} for r in ranks[0]["links"]]
         links_used = {"latency": statistics.median(f["p2p"]["latency_s"] for f in link_rounds),
                       "bandwidth": statistics.median(f["all_gather"]["bandwidth"] for f in link_rounds),
                       "all_reduce_bandwidth": statistics.median(f["all_reduce"]["bandwidth"] for f in link_rounds),
