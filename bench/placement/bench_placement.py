@@ -27,16 +27,19 @@ Protocol:
   whole batch and half of it, with the placed runs' rollout chunk and training micro-batch); rank 0 runs an iteration
   of each while rank 1 waits (alone), then both ranks run one at once (concurrent). That gives `Calibration`: fixed
   and per-sample work per phase, and each phase's slowdown when both ranks compute (never the placed runs). The links
-  are the ranks' own gloo group (`hf_placement.calibrate.time_collectives`: latency, all-gather, reduce-scatter and
-  all-reduce bandwidth at the sizes the plans move: one model's weights over the ranks, and the flat gradient bucket).
-  The planner gets the medians over the timed rounds. What each of these fixed, in earlier sweeps: calibrating in
-  separate processes before and after each configuration left the planner up to 0.4 off when the host's speed moved in
-  between; a matmul loop's parallel efficiency read 0.91 while two co-located ranks generated ~2x slower than one
-  alone (base); link constants measured once per sweep (0.18 GB/s) predicted the sharded co-located plan 56% too slow
-  on capped-large-model (measured in the loop: 0.41 GB/s, 6%), and measured at 8 MB rather than at the plans' size
-  left capped-xl-model's sharded plan 28% too fast; a calibration trainer with micro-batches twice the placed runs'
-  trained the whole batch ~25% faster than the disaggregated trainer does. The summary gives the maximum relative
-  error and the regret of the planner's pick per configuration.
+  are the ranks' own gloo group, at the sizes the plans move (`hf_placement.calibrate.time_collectives`: latency, and
+  all-gather and reduce-scatter bandwidth of one model's weights over the ranks) and the replicated plans' gradient
+  sync timed as the trainer runs it (flatten actor + critic gradients, all-reduce, copy back). The planner gets the
+  medians over the timed rounds. What each of these fixed, in earlier sweeps: calibrating in separate processes before
+  and after each configuration left the planner up to 0.4 off when the host's speed moved in between; a matmul loop's
+  parallel efficiency read 0.91 while two co-located ranks generated ~2x slower than one alone (base); link constants
+  measured once per sweep (0.18 GB/s) predicted the sharded co-located plan 56% too slow on capped-large-model
+  (measured in the loop: 0.41 GB/s, 6%), and measured at 8 MB rather than at the plans' size left capped-xl-model's
+  sharded plan 28% too fast (at the plans' size: 8%); a bare all-reduce of large-model's 57 MB gradient bucket (0.67
+  GB/s, ~85 ms) left its co-located plan 20% too fast and the planner's pick 32% off, while its training spent ~220 ms
+  per optimizer step beyond the single-process compute; a calibration trainer with micro-batches twice the placed
+  runs' trained the whole batch ~25% faster than the disaggregated trainer does. The summary gives the maximum
+  relative error and the regret of the planner's pick per configuration.
 """
 
 from __future__ import annotations
@@ -165,13 +168,13 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any], out_dir: str, warmup
     calibrators = _calibration_trainers(cfg, f"{out_dir}/calibration/rank{rank}", 2 * rounds, solo[rank])
     cal_times: list[dict[str, float]] = []
     link_times: list[dict[str, dict[str, float]]] = []
-    # Links at the sizes the plans move: one model's fp32 weights over the ranks (a sharded gather's per-rank chunk)
-    # and the trainer's flat gradient bucket (actor + critic) for the all-reduce. gloo's bandwidth depends on the
-    # size: a 28 MB-per-rank all-gather ran at 0.19 GB/s where 8 MB ran at 0.44 (the 8 MB figure left
-    # capped-xl-model's sharded plan 28% too fast), and a 14 MB all-reduce at 0.88 GB/s where the 57 MB bucket of
-    # large-model ran at ~0.57 (its co-located plan 21% too fast).
+    # Links at the sizes the plans move: one model's fp32 weights over the ranks (a sharded gather's per-rank chunk;
+    # gloo's bandwidth depends on the size: a 28 MB-per-rank all-gather ran at 0.19 GB/s where 8 MB ran at 0.44, and
+    # the 8 MB figure left capped-xl-model's sharded plan 28% too fast). The replicated plans' gradient sync is timed
+    # as the trainer runs it (`DistContext.average_gradients`: flatten actor + critic gradients, all-reduce, copy
+    # back): a bare all-reduce of the same 57 MB took ~85 ms where the sync costs the trainer ~2x that.
     gather_sizes = (LINK_LATENCY_BYTES, int(4 * phi) // world)
-    all_reduce_sizes = (LINK_LATENCY_BYTES, int(2 * 4 * phi))
+    grad_params = [torch.nn.Parameter(torch.zeros(int(phi))) for _ in ("actor", "critic")]
     trainers = {}
     for strategy in STRATEGIES:
         tok, models, data = _parts(cfg)
@@ -196,9 +199,9 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any], out_dir: str, warmup
                 continue
             if strategy == "links":
                 gathers = time_collectives(gather_sizes, repeats=1, ops=("p2p", "all_gather", "reduce_scatter"))
-                all_reduce = time_collectives(all_reduce_sizes, repeats=1, ops=("all_reduce",))
+                grad_sync_s = _time_gradient_sync(grad_params)
                 if i >= warmup:
-                    link_times.append({"gathers": gathers, "all_reduce": all_reduce})
+                    link_times.append({"gathers": gathers, "grad_sync_s": grad_sync_s})
                 continue
             t = trainers[strategy]
             first = len(t.timeline.events)
@@ -223,6 +226,25 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any], out_dir: str, warmup
                              gathered_bytes_per_iter=gathered / rounds, trains=t.is_training_rank)
     res["calibration"], res["links"] = cal_times, link_times
     return res
+
+
+def _time_gradient_sync(params: list[torch.nn.Parameter]) -> float:
+    """Seconds of one gradient sync of ``params`` as the data-parallel trainer does it (median of 2 after a warm-up;
+    every rank calls it)."""
+    import torch.distributed as dist
+
+    from trl_trainers._distributed import DistContext
+
+    ctx = DistContext()
+    times = []
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        dist.barrier()
+        t0 = time.perf_counter()
+        ctx.average_gradients(params)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
 
 
 # ---------------------------------------------------------------------------------------------------- single process
@@ -341,7 +363,11 @@ def run(configs: list[dict[str, Any]], warmup: int, iters: int | None, out_path:
         cal_rounds = [{k: max(r["calibration"][i].get(k, 0.0) for r in ranks) for k in ranks[0]["calibration"][i]}
                       for i in range(n_iters)]
         cal = {k: statistics.median(r[k] for r in cal_rounds) for k in cal_rounds[0]}
-        link_rounds = [{**fit_links(r["gathers"], 2), **fit_links(r["all_reduce"], 2)} for r in ranks[0]["links"]]
+        # the gradient sync as an all-reduce bandwidth in the cost model's convention (2 (n-1)/n x bytes / time)
+        grad_bytes = 2 * 4 * phi
+        link_rounds = [{**fit_links(r["gathers"], 2), "all_reduce": {"seconds": r["grad_sync_s"],
+                                                                      "bandwidth": grad_bytes / r["grad_sync_s"]}}
+                       for r in ranks[0]["links"]]
         links_used = {"latency": statistics.median(f["p2p"]["latency_s"] for f in link_rounds),
                       "bandwidth": statistics.median(f["all_gather"]["bandwidth"] for f in link_rounds),
                       "all_reduce_bandwidth": statistics.median(f["all_reduce"]["bandwidth"] for f in link_rounds),
