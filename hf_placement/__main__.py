@@ -90,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--memory-cap", help="per-device model-state cap: bytes (900MB, 80GB) or per actor param (38x)")
     g.add_argument("--link-bandwidth", type=parse_bytes, help="intra-node link bandwidth, bytes/s (e.g. 2GB)")
     g.add_argument("--inter-link-bandwidth", type=parse_bytes, help="inter-node link bandwidth, bytes/s")
+    g.add_argument("--reduce-scatter-bandwidth", type=parse_bytes,
+                   help="reduce-scatter bandwidth, bytes/s (default: --link-bandwidth; `calibrate` measures it)")
+    g.add_argument("--all-reduce-bandwidth", type=parse_bytes,
+                   help="all-reduce bandwidth, bytes/s (default: --link-bandwidth; `calibrate` measures it)")
     g.add_argument("--devices-per-node", type=int, help="devices per node")
     g.add_argument("--peak-flops", type=float, help="peak FLOP/s per device")
     g.add_argument("--mem-bandwidth", type=parse_bytes, help="memory bandwidth per device, bytes/s")
@@ -173,6 +177,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                             hidden_size=args.hidden_size, lora_fraction=args.lora_fraction)
         overrides = {k: v for k, v in {"link_bandwidth": args.link_bandwidth,
                                        "inter_link_bandwidth": args.inter_link_bandwidth,
+                                       "reduce_scatter_bandwidth": args.reduce_scatter_bandwidth,
+                                       "all_reduce_bandwidth": args.all_reduce_bandwidth,
                                        "devices_per_node": args.devices_per_node, "peak_flops": args.peak_flops,
                                        "mem_bandwidth": args.mem_bandwidth}.items() if v is not None}
         overrides["memory_cap_bytes"] = _cap(args.memory_cap, args.actor_params)

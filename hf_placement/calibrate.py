@@ -45,6 +45,8 @@ def time_collectives(sizes: Sequence[int], repeats: int, group: Any = None, time
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if world < 2:
+        raise ValueError(f"timing collectives needs a group of >= 2 ranks, got {world}.")
     first, second = (dist.get_global_rank(group, r) if group is not None else r for r in (0, 1))
     timeout = datetime.timedelta(seconds=timeout_s)
 

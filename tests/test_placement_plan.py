@@ -295,6 +295,7 @@ def test_plan_cli(tmp_path, capsys):
     help_text = subprocess.run([sys.executable, "-m", "hf_placement", "plan", "--help"], capture_output=True,
                                text=True, cwd=REPO, check=True).stdout
     assert "--memory-cap" in help_text and "--measured-generate-s" in help_text
+    assert "--measured-train-concurrent-s" in help_text and "--all-reduce-bandwidth" in help_text
     out = tmp_path / "ranking.json"
     assert main(["plan", "--actor-params", "26M", "--devices", "2", "--memory-cap", "38x", "--batch-size", "16",
                  "--response-len", "32", "--output", str(out)]) == 0
@@ -311,6 +312,16 @@ def test_plan_cli(tmp_path, capsys):
     assert "micro_batches=4 exceeds batch_size=2" in capsys.readouterr().err
     assert main(["plan", "--actor-params", "1M", "--devices", "2", "--measured-train-half-s", "1.0"]) == 2
     assert "train_half_s needs train_s" in capsys.readouterr().err
+    assert main(["plan", "--actor-params", "1M", "--devices", "2", "--measured-train-concurrent-s", "1.0"]) == 2
+    assert "train_concurrent_s needs train_s" in capsys.readouterr().err
+    # a measured all-reduce bandwidth reaches the cost model: slower gradient sync, slower data-parallel training
+    fast, slow = tmp_path / "fast.json", tmp_path / "slow.json"
+    for bw, path in (("10GB", fast), ("10MB", slow)):
+        assert main(["plan", "--actor-params", "26M", "--devices", "2", "--all-reduce-bandwidth", bw,
+                     "--output", str(path)]) == 0
+    train = {p: {e["name"]: e["phases"]["train"] for e in json.loads(p.read_text())["ranking"]} for p in (fast, slow)}
+    assert train[slow]["colocated"] > train[fast]["colocated"]
+    assert json.loads(slow.read_text())["hardware"]["all_reduce_bandwidth"] == pytest.approx(1e7)
     assert main(["plan", "--actor-params", "1M", "--devices", "2", "--measured-train-s", "2.0",
                  "--measured-train-half-s", "1.0", "--output", str(out)]) == 0
     assert json.loads(out.read_text())["calibration"]["train_half_s"] == 1.0
