@@ -172,7 +172,7 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any], out_dir: str, warmup
     # gloo's bandwidth depends on the size: a 28 MB-per-rank all-gather ran at 0.19 GB/s where 8 MB ran at 0.44, and
     # the 8 MB figure left capped-xl-model's sharded plan 28% too fast). The replicated plans' gradient sync is timed
     # as the trainer runs it (`DistContext.average_gradients`: flatten actor + critic gradients, all-reduce, copy
-    # back): a bare all-reduce of the same 57 MB took ~85 ms where the sync costs the trainer ~2x that.
+    # back): a bare all-reduce of large-model's 57 MB bucket took ~85 ms, the trainer's sync of it 88-144 ms.
     gather_sizes = (LINK_LATENCY_BYTES, int(4 * phi) // world)
     grad_params = [torch.nn.Parameter(torch.zeros(int(phi))) for _ in ("actor", "critic")]
     trainers = {}
@@ -287,17 +287,14 @@ def _time_calibration_round(calibrators: dict[str, Any], update: int) -> dict[st
     return times
 
 
-def _predict(cfg: dict[str, Any], plans: dict[str, dict], phi: float, cal: dict[str, float], links: dict[str, float],
+def _predict(cfg: dict[str, Any], plans: dict[str, dict], phi: float, calibration: Any, links: dict[str, float],
              cap_bytes: float | None) -> dict[str, dict[str, Any]]:
-    from dataclasses import fields
-
-    from hf_placement import Calibration, Hardware, PlacementPlan, Workload, estimate
+    from hf_placement import Hardware, PlacementPlan, Workload, estimate
 
     # the concurrent calibration stands in for the parallel efficiency (left at 1)
     hw = Hardware.cpu(2, link_bandwidth=links["bandwidth"], link_latency_s=links["latency"],
                       reduce_scatter_bandwidth=links["reduce_scatter_bandwidth"],
                       all_reduce_bandwidth=links["all_reduce_bandwidth"], memory_cap_bytes=cap_bytes)
-    calibration = Calibration(**{f.name: cal[f.name] for f in fields(Calibration) if f.name in cal})
     out = {}
     for strategy, plan_dict in plans.items():
         staleness = 1 if strategy == "disaggregated-async" else 0
@@ -343,8 +340,9 @@ def measure_link_constants() -> dict[str, float]:
 def run(configs: list[dict[str, Any]], warmup: int, iters: int | None, out_path: Path, eff_seconds: float) -> dict:
     """Every configuration in turn; ``iters`` (timed iterations) overrides each configuration's own count."""
     import tempfile
+    from dataclasses import fields
 
-    from hf_placement import compare_to_measured, run_distributed
+    from hf_placement import Calibration, compare_to_measured, run_distributed
     from hf_placement.calibrate import fit_links
 
     start = time.perf_counter()
@@ -363,6 +361,7 @@ def run(configs: list[dict[str, Any]], warmup: int, iters: int | None, out_path:
         cal_rounds = [{k: max(r["calibration"][i].get(k, 0.0) for r in ranks) for k in ranks[0]["calibration"][i]}
                       for i in range(n_iters)]
         cal = {k: statistics.median(r[k] for r in cal_rounds) for k in cal_rounds[0]}
+        calibration = Calibration(**{f.name: cal[f.name] for f in fields(Calibration) if f.name in cal})
         # the gradient sync as an all-reduce bandwidth in the cost model's convention (2 (n-1)/n x bytes / time)
         grad_bytes = 2 * 4 * phi
         link_rounds = [{**fit_links(r["gathers"], 2), "all_reduce": {"seconds": r["grad_sync_s"],
@@ -376,7 +375,7 @@ def run(configs: list[dict[str, Any]], warmup: int, iters: int | None, out_path:
         entry: dict[str, Any] = {"config": {**cfg, "params_per_model": phi, "cap_bytes": cap,
                                             "prompt_len": PROMPT_LEN, "iters": n_iters},
                                  "calibration": cal, "calibration_rounds": cal_rounds,
-                                 "concurrent_slowdown": {p: cal[f"{p}_concurrent_s"] / cal[f"{p}_s"]
+                                 "concurrent_slowdown": {p: calibration.concurrent_slowdown(p)
                                                          for p in ("generate", "inference", "train")},
                                  "links": {"used": links_used, "rounds": link_rounds}, "strategies": {}}
         for s in STRATEGIES:
@@ -397,7 +396,7 @@ def run(configs: list[dict[str, Any]], warmup: int, iters: int | None, out_path:
                 "plan": ranks[0][s]["plan"], "sharded": bool(ranks[0][s]["plan"]["sharded_roles"]),
                 "ranks": per_rank}
         plans = {s: entry["strategies"][s]["plan"] for s in STRATEGIES}
-        entry["predicted"] = _predict(cfg, plans, phi, cal, links_used, cap)
+        entry["predicted"] = _predict(cfg, plans, phi, calibration, links_used, cap)
         measured = {s: entry["strategies"][s]["iter_s_median"] for s in STRATEGIES}
         entry["planner"] = compare_to_measured({s: entry["predicted"][s]["time_s"] for s in STRATEGIES}, measured)
         col = entry["strategies"]["colocated"]["samples_per_s"]
