@@ -17,7 +17,7 @@ import pytest
 
 from antdt_callbacks import ControllerConfig, JobConfig, MonitorConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "antdt"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "antdt"))
 from harness import run_job  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]

@@ -27,7 +27,7 @@ from hf_placement import (
 from hf_placement.channels import pack_tree, unpack_tree
 from hf_placement.groups import planned_rank_sets
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ----------------------------------------------------------------------------------------------------- constructors

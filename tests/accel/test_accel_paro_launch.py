@@ -12,7 +12,7 @@ import pytest
 
 from paro_zero_backend.__main__ import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ACC_YAML = """compute_environment: LOCAL_MACHINE
 distributed_type: MULTI_GPU
 num_machines: 1

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "ppo" / "ppo.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "ppo" / "ppo.py"
 
 
 @pytest.mark.slow

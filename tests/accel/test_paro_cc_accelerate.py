@@ -2,7 +2,7 @@
 
 Accelerate 1.16 turns ``fsdp_plugin`` into ``DistributedType.FSDP`` only on accelerator back-ends (GPU/XPU/...); on
 CPU ranks it stays MULTI_CPU and ``prepare`` never calls ``fully_shard``, so the FSDP2 equivalence itself is tested
-on ``fully_shard`` directly (tests/test_paro_cc_fsdp2.py), which is exactly what Accelerate's
+on ``fully_shard`` directly (tests/paro/test_paro_cc_fsdp2.py), which is exactly what Accelerate's
 ``fsdp2_prepare_model`` applies.
 """
 

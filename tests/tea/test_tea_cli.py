@@ -13,7 +13,7 @@ import pytest
 from tea_pipeline import make_synthetic_pair
 from tea_pipeline.__main__ import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -19,7 +19,7 @@ from hf_placement import find_free_port
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(620)]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "placement" / "ppo_placement.py"
 
 

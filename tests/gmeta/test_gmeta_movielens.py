@@ -11,7 +11,7 @@ import pytest
 
 from gmeta_trainer import GENRES, load_movielens_100k, movielens_cold_start
 
-DATA = Path(os.environ.get("GMETA_MOVIELENS", Path(__file__).resolve().parents[1].parent / "shared" / "data" /
+DATA = Path(os.environ.get("GMETA_MOVIELENS", Path(__file__).resolve().parents[2].parent / "shared" / "data" /
                            "movielens" / "ml-100k"))
 pytestmark = [pytest.mark.shared_data,
               pytest.mark.skipif(not (DATA / "ml-100k.inter").exists(),

@@ -11,7 +11,7 @@ import pytest
 
 from tea_pipeline import TKGDataError, TKGPair, load_tkg_pair, make_synthetic_pair
 
-SHARED_TEA = Path(os.environ.get("HF_SCALE_SHARED_DATA", Path(__file__).resolve().parents[1].parent / "shared" /
+SHARED_TEA = Path(os.environ.get("HF_SCALE_SHARED_DATA", Path(__file__).resolve().parents[2].parent / "shared" /
                                  "data")) / "tea"
 
 
