@@ -1,97 +1,97 @@
-"""hf_placement: device groups, process groups and placement of RLHF models on them.
+"""hf_placement: the topology base every package builds on, plus the RLHF placement runtime and planner wings.
 
-- `PlacementPlan`: roles (actor, critic, ref, reward, rollout, value) -> ranks, with the paper's strategies
-  (co-located, interleaved, disaggregated; FlexRLHF, arXiv 2312.11819) as constructors;
-- `build_role_groups`: the plan's process groups, created once in one order on every rank;
-- `RoleHandle` / `run_concurrently`: owner dispatch (inputs to owners, outputs back; disjoint owners run concurrently);
-- `Channel`: typed point-to-point transfers with timeouts; `WeightSync`: versioned, bit-exact trainer -> shadow sync;
-- `Timeline`: per-rank phases -> Chrome trace, PNG, idle summary;
-- `model_state_bytes` / `shard_verdict`: analytic memory per rank; `rank_plans`: the planner's cost model
-  (``python -m hf_placement plan``).
+The base (this package outside its wings) is small and knows no trainer:
 
-`hf_placement.testing.run_distributed` is the shared multi-process harness for tests, examples and benchmarks.
+- `build_topology` / `Topology` / `GroupLayout`: two-level (intra/inter group) layouts and their process groups,
+  created once, in one order, with timeouts (`new_process_groups` is the one place that calls ``new_group``);
+- `PlacementPlan`: which ranks hold which RLHF role (FlexRLHF, arXiv 2312.11819), pure validated data;
+- `build_role_groups` / `RoleGroups`: a plan's process groups;
+- `run_distributed` (`hf_placement.testing`): the gloo harness every test, example and benchmark uses.
+
+Wings, imported only by those who need them:
+
+- `hf_placement.runtime`: owner dispatch, channels, weight sync, timelines;
+- `hf_placement.planner`: memory accountant, cost model, calibration and the CLI (``python -m hf_placement plan``).
+
+Names that used to be exported here from the wings still resolve, with a `FutureWarning` naming their new place.
 """
 
-from .channels import Channel, ChannelError, ChannelTimeoutError
-from .cost_model import (
-    Calibration,
-    Hardware,
-    PlanEstimate,
-    Workload,
-    candidate_plans,
-    compare_to_measured,
-    estimate,
-    rank_plans,
-)
-from .dispatch import RoleCall, RoleHandle, run_concurrently
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import sys
+import warnings
+from typing import Any
+
 from .groups import RoleGroups, build_role_groups
-from .memory import BYTES_PER_PARAM, MemoryReport, MemoryVerdict, ModelSizes, model_state_bytes, shard_verdict
 from .plan import BASE_ROLES, ROLES, SHADOW_ROLES, STRATEGIES, TRAINED_ROLES, PlacementPlan
-from .sharding import ShardedModule, resident_bytes
 from .testing import RankError, RankTimeoutError, find_free_port, run_distributed
-from .timeline import (
-    PhaseEvent,
-    Timeline,
-    gather_timelines,
-    is_wait,
-    plot_timeline,
-    summarize_timelines,
-    to_chrome_trace,
-    write_chrome_trace,
-)
 from .topology import DEFAULT_GROUP_TIMEOUT_S, GroupLayout, Topology, build_topology, new_process_groups
-from .weight_sync import SyncStats, WeightSync, WeightSyncError, select_tensors
 
 __all__ = [
     "BASE_ROLES",
-    "BYTES_PER_PARAM",
-    "Calibration",
-    "Channel",
-    "ChannelError",
-    "ChannelTimeoutError",
     "DEFAULT_GROUP_TIMEOUT_S",
     "GroupLayout",
-    "Hardware",
-    "MemoryReport",
-    "MemoryVerdict",
-    "ModelSizes",
-    "PhaseEvent",
     "PlacementPlan",
-    "PlanEstimate",
     "ROLES",
     "RankError",
     "RankTimeoutError",
-    "RoleCall",
     "RoleGroups",
-    "RoleHandle",
     "SHADOW_ROLES",
     "STRATEGIES",
-    "ShardedModule",
-    "SyncStats",
     "TRAINED_ROLES",
-    "Timeline",
     "Topology",
-    "WeightSync",
-    "WeightSyncError",
-    "Workload",
     "build_role_groups",
     "build_topology",
-    "candidate_plans",
-    "compare_to_measured",
-    "estimate",
     "find_free_port",
-    "gather_timelines",
-    "is_wait",
-    "model_state_bytes",
     "new_process_groups",
-    "plot_timeline",
-    "rank_plans",
-    "run_concurrently",
     "run_distributed",
-    "resident_bytes",
-    "select_tensors",
-    "shard_verdict",
-    "summarize_timelines",
-    "to_chrome_trace",
-    "write_chrome_trace",
 ]
+
+_REMOVAL = "0.3.0"
+_RUNTIME_NAMES = ("Channel", "ChannelError", "ChannelTimeoutError", "PhaseEvent", "RoleCall", "RoleHandle",
+                  "SyncStats", "Timeline", "WeightSync", "WeightSyncError", "gather_timelines", "is_wait",
+                  "plot_timeline", "resident_bytes", "run_concurrently", "select_tensors", "summarize_timelines",
+                  "to_chrome_trace", "write_chrome_trace")
+_PLANNER_NAMES = ("BYTES_PER_PARAM", "Calibration", "Hardware", "MemoryReport", "MemoryVerdict", "ModelSizes",
+                  "PlanEstimate", "Workload", "candidate_plans", "compare_to_measured", "estimate", "model_state_bytes",
+                  "rank_plans", "shard_verdict")
+_MOVED_NAMES = {**dict.fromkeys(_RUNTIME_NAMES, "hf_placement.runtime"),
+                **dict.fromkeys(_PLANNER_NAMES, "hf_placement.planner")}
+_REMOVED_NAMES = {
+    "ShardedModule": "hf_placement.ShardedModule was removed: sharding is done by the one sharding engine, "
+                     "paro_zero_backend.ParoEngine (strategy 'GGG' = ZeRO-3; ParoEngine.gathered() replaces "
+                     "ShardedModule.gathered()). Under PPO, list the roles in PlacementPlan(sharded_roles=...).",
+}
+_MOVED_MODULES = {f"hf_placement.{old}": f"hf_placement.{wing}.{old}" for wing, olds in (
+    ("runtime", ("channels", "dispatch", "weight_sync", "timeline")),
+    ("planner", ("cost_model", "memory", "calibrate"))) for old in olds}
+_MOVED_MODULES["hf_placement.sharding"] = "paro_zero_backend.ParoEngine (ShardedModule was removed)"
+
+
+def __getattr__(name: str) -> Any:
+    """Old top-level names of the wings: resolve them with a warning that names the new place."""
+    if name in _MOVED_NAMES:
+        new = _MOVED_NAMES[name]
+        warnings.warn(f"hf_placement.{name} moved to {new}.{name}; import it from {new}. The old name will be "
+                      f"removed in hf-scale-plugins {_REMOVAL}.", FutureWarning, stacklevel=2)
+        return getattr(importlib.import_module(new), name)
+    if name in _REMOVED_NAMES:
+        raise AttributeError(_REMOVED_NAMES[name])
+    raise AttributeError(f"module 'hf_placement' has no attribute {name!r}")
+
+
+class _MovedModuleFinder(importlib.abc.MetaPathFinder):
+    """``import hf_placement.channels`` (a module that moved into a wing) fails with a message naming its new place."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
+        new = _MOVED_MODULES.get(fullname)
+        if new is not None:
+            raise ModuleNotFoundError(f"{fullname} moved to {new}; import it from there (the module moved when "
+                                      "hf_placement was split into its base, runtime and planner).", name=fullname)
+        return None
+
+
+if not any(isinstance(f, _MovedModuleFinder) for f in sys.meta_path):
+    sys.meta_path.append(_MovedModuleFinder())

@@ -1,6 +1,6 @@
 """`PlacementPlan`: which ranks hold which RLHF role. Pure data, validated, serialisable; no torch.distributed here.
 
-Roles (FlexRLHF / APP, arXiv 2312.11819, `rlhf_placement.md` §1):
+Roles (FlexRLHF / APP, arXiv 2312.11819, §3):
 
 - ``actor`` / ``critic``: the trained policy and value model (with optimizer state);
 - ``ref`` / ``reward``: frozen reference policy and reward model;
@@ -60,8 +60,10 @@ class PlacementPlan:
             ``disaggregated`` or ``custom``); validation is the same for all.
         rollout_replicas (`int`, *optional*, defaults to 1): number of shadow-actor replicas; the rollout ranks are
             cut into this many groups of consecutive ranks, each holding one full copy of the generation weights.
-        sharded_roles (`list[str]`, *optional*): roles whose model is sharded (ZeRO-3 style) inside the role's rank
-            group instead of replicated; used by the memory accountant and the cost model.
+        sharded_roles (`list[str]` or `dict[str, str]`, *optional*): roles whose model is sharded inside the
+            role's rank group instead of replicated, each with the PaRO strategy of the engine that shards it
+            (three letters for the partition level of parameters, gradients and optimizer states; a list means
+            ``"GGG"``, ZeRO-3, for every role). The plan stores the strategy; the engine that runs it validates it.
 
     Example:
 
@@ -79,8 +81,8 @@ class PlacementPlan:
     roles: dict[str, list[int]] = field(metadata={"help": "Role name -> ranks that own the role's model."})
     strategy: str = field(default="custom", metadata={"help": f"Label among {STRATEGIES}."})
     rollout_replicas: int = field(default=1, metadata={"help": "Shadow-actor replicas (disaggregated plans)."})
-    sharded_roles: list[str] = field(default_factory=list,
-                                     metadata={"help": "Roles sharded (ZeRO-3 style) inside their rank group."})
+    sharded_roles: dict[str, str] = field(default_factory=dict, metadata={
+        "help": "Role -> PaRO strategy of the engine that shards it inside its rank group (a list means 'GGG')."})
 
     def __post_init__(self) -> None:
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
@@ -92,20 +94,22 @@ class PlacementPlan:
         if not isinstance(self.roles, Mapping):
             raise TypeError(f"roles must be a mapping role -> list of ranks, got {type(self.roles).__name__}.")
         self.roles = {str(k): self._normalise_ranks(str(k), v) for k, v in self.roles.items()}
-        self.sharded_roles = sorted({str(r) for r in self.sharded_roles}, key=_role_order)
+        self.sharded_roles = _normalise_sharded(self.sharded_roles)
         self.validate()
 
     # ------------------------------------------------------------------ constructors
     @classmethod
-    def colocated(cls, world_size: int, sharded: bool = False) -> PlacementPlan:
-        """Every role on every rank (TRL / DeepSpeed-Chat). ``sharded=True`` shards all four models over the world."""
+    def colocated(cls, world_size: int, sharded: bool | str = False) -> PlacementPlan:
+        """Every role on every rank (TRL / DeepSpeed-Chat). ``sharded=True`` shards all four models over the world
+        (ZeRO-3, ``"GGG"``); a strategy string such as ``"IIG"`` shards them with that PaRO strategy."""
         everyone = list(range(world_size)) if isinstance(world_size, int) and world_size > 0 else []
+        strategy = sharded if isinstance(sharded, str) else DEFAULT_SHARD_STRATEGY
         return cls(world_size=world_size, roles={r: list(everyone) for r in BASE_ROLES}, strategy="colocated",
-                   sharded_roles=list(BASE_ROLES) if sharded else [])
+                   sharded_roles=dict.fromkeys(BASE_ROLES, strategy) if sharded else {})
 
     @classmethod
     def interleaved(cls, world_size: int, ratios: Mapping[str, float] | None = None,
-                    sharded_roles: Sequence[str] = ()) -> PlacementPlan:
+                    sharded_roles: Sequence[str] | Mapping[str, str] = ()) -> PlacementPlan:
         """APP's packing rule: roles get ``ratio * world_size`` consecutive ranks, filled in role order into "layers"
         of the whole world; a role never crosses a layer boundary. Default ratios: actor 1, critic 1, ref 0.5,
         reward 0.5 (ref on the first half, reward on the second half).
@@ -142,12 +146,12 @@ class PlacementPlan:
             cursor = cursor + count
             if cursor == world_size:
                 cursor = 0
-        return cls(world_size=world_size, roles=roles, strategy="interleaved", sharded_roles=list(sharded_roles))
+        return cls(world_size=world_size, roles=roles, strategy="interleaved", sharded_roles=sharded_roles)
 
     @classmethod
     def disaggregated(cls, world_size: int, train_ranks: Sequence[int] | None = None,
                       infer_ranks: Sequence[int] | None = None, rollout_replicas: int = 1,
-                      sharded_roles: Sequence[str] = ()) -> PlacementPlan:
+                      sharded_roles: Sequence[str] | Mapping[str, str] = ()) -> PlacementPlan:
         """Training group (actor, critic) and inference group (rollout, value, ref, reward) on disjoint ranks.
 
         Defaults: the first half of the ranks train, the second half infer (for an odd world the extra rank infers,
@@ -170,61 +174,14 @@ class PlacementPlan:
         roles = {"actor": train, "critic": list(train), "ref": infer, "reward": list(infer),
                  "rollout": list(infer), "value": list(infer)}
         return cls(world_size=world_size, roles=roles, strategy="disaggregated", rollout_replicas=rollout_replicas,
-                   sharded_roles=list(sharded_roles))
+                   sharded_roles=sharded_roles)
 
     @classmethod
     def custom(cls, world_size: int, roles: Mapping[str, Sequence[int]], rollout_replicas: int = 1,
-               sharded_roles: Sequence[str] = ()) -> PlacementPlan:
+               sharded_roles: Sequence[str] | Mapping[str, str] = ()) -> PlacementPlan:
         """Any validated role -> ranks mapping."""
         return cls(world_size=world_size, roles={k: list(v) for k, v in roles.items()}, strategy="custom",
-                   rollout_replicas=rollout_replicas, sharded_roles=list(sharded_roles))
-
-    @classmethod
-    def from_ppo_config_fields(cls, placement: str | PlacementPlan | Mapping[str, Any] | None = "colocated",
-                               placement_ratios: Mapping[str, float] | str | None = None,
-                               rollout_replicas: int = 1, world_size: int = 1,
-                               train_ranks: Sequence[int] | None = None,
-                               infer_ranks: Sequence[int] | None = None) -> PlacementPlan:
-        """Build a plan from the placement fields of a `PPOConfig`.
-
-        ``placement`` is a strategy name, a path to a ``.yaml``/``.yml``/``.json`` plan file, a plan dict or a plan.
-        ``placement_ratios`` (interleaved) may be a dict or a CLI string ``"ref=0.5,reward=0.5"``. A plan loaded from a
-        file or dict must have ``world_size`` equal to the job's.
-        """
-        if placement is None:
-            placement = "colocated"
-        if isinstance(placement, PlacementPlan):
-            plan = placement
-        elif isinstance(placement, Mapping):
-            plan = cls.from_dict(placement)
-        elif isinstance(placement, str) and placement.lower().endswith((".yaml", ".yml", ".json")):
-            plan = cls.load(placement)
-        elif isinstance(placement, str):
-            name = placement.strip().lower()
-            ratios = _parse_ratios(placement_ratios)
-            if ratios and name != "interleaved":
-                raise ValueError(f"placement_ratios={placement_ratios!r} only applies to placement='interleaved', "
-                                 f"got placement={placement!r}. Drop placement_ratios or switch the strategy.")
-            if name != "disaggregated" and (train_ranks is not None or infer_ranks is not None):
-                raise ValueError("train_ranks/infer_ranks only apply to placement='disaggregated'.")
-            if name != "disaggregated" and rollout_replicas != 1:
-                raise ValueError(f"rollout_replicas={rollout_replicas} only applies to placement='disaggregated' "
-                                 f"(placement={placement!r} generates with the actor itself). Set it to 1.")
-            if name == "colocated":
-                plan = cls.colocated(world_size)
-            elif name == "interleaved":
-                plan = cls.interleaved(world_size, ratios=ratios)
-            elif name == "disaggregated":
-                plan = cls.disaggregated(world_size, train_ranks=train_ranks, infer_ranks=infer_ranks,
-                                         rollout_replicas=rollout_replicas)
-            else:
-                raise ValueError(f"placement={placement!r} is not a strategy ('colocated', 'interleaved', "
-                                 "'disaggregated') nor a path to a .yaml/.yml/.json plan file.")
-        else:
-            raise TypeError(f"placement must be a strategy name, a plan file path, a dict or a PlacementPlan, got "
-                            f"{type(placement).__name__}.")
-        plan.check_world_size(world_size)
-        return plan
+                   rollout_replicas=rollout_replicas, sharded_roles=sharded_roles)
 
     # ------------------------------------------------------------------ validation
     @staticmethod
@@ -368,6 +325,21 @@ class PlacementPlan:
                     out.append(key)
         return out
 
+    def role_group_size(self, role: str, ranks_per_node: int | None = None) -> int:
+        """Ranks per intra group inside ``role``'s rank set: ``ranks_per_node`` clipped to the role's size.
+
+        This is the ``m`` of a two-level layout over the role's ranks (consecutive members form a group), the group
+        an I-level partition of a sharded role uses. ``None``: the whole role is one group.
+        """
+        n = len(self.ranks(role))
+        m = n if not ranks_per_node else min(int(ranks_per_node), n)
+        if m < 1 or n % m:
+            divisors = [d for d in range(1, n + 1) if n % d == 0]
+            raise ValueError(f"role '{role}' has {n} ranks {_fmt(self.ranks(role))}, which do not split into groups "
+                             f"of {m} ranks per node; sharding it needs equal groups. Place it on a multiple of the "
+                             f"ranks per node, or run with ranks per node among {divisors}.")
+        return m
+
     def replica_ranks(self) -> list[list[int]]:
         """Rollout ranks cut into ``rollout_replicas`` groups of consecutive (sorted) ranks."""
         ranks = sorted(self.ranks("rollout"))
@@ -425,7 +397,7 @@ class PlacementPlan:
                  + (f", rollout_replicas={self.rollout_replicas}" if self.is_disaggregated else "")]
         for role in ROLES:
             if role in self.roles:
-                tag = " (sharded)" if role in self.sharded_roles else ""
+                tag = f" (sharded, {self.sharded_roles[role]})" if role in self.sharded_roles else ""
                 lines.append(f"  {role:<8} {_fmt(self.roles[role])}{tag}")
         return "\n".join(lines)
 
@@ -433,7 +405,7 @@ class PlacementPlan:
     def to_dict(self) -> dict[str, Any]:
         return {"world_size": self.world_size, "strategy": self.strategy,
                 "roles": {r: list(self.roles[r]) for r in ROLES if r in self.roles},
-                "rollout_replicas": self.rollout_replicas, "sharded_roles": list(self.sharded_roles)}
+                "rollout_replicas": self.rollout_replicas, "sharded_roles": dict(self.sharded_roles)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PlacementPlan:
@@ -477,21 +449,22 @@ def _role_order(role: str) -> int:
     return ROLES.index(role) if role in ROLES else len(ROLES)
 
 
-def _parse_ratios(ratios: Mapping[str, float] | str | None) -> dict[str, float] | None:
-    if ratios is None or ratios == "":
-        return None
-    if isinstance(ratios, Mapping):
-        return {str(k): float(v) for k, v in ratios.items()}
-    if isinstance(ratios, str):
-        out = {}
-        for item in ratios.split(","):
-            if "=" not in item:
-                raise ValueError(f"placement_ratios={ratios!r}: expected 'role=ratio' items separated by commas, "
-                                 "e.g. 'ref=0.5,reward=0.5'.")
-            k, v = item.split("=", 1)
-            try:
-                out[k.strip()] = float(v)
-            except ValueError:
-                raise ValueError(f"placement_ratios={ratios!r}: {v!r} is not a number.") from None
-        return out
-    raise TypeError(f"placement_ratios must be a dict or a 'role=ratio,...' string, got {type(ratios).__name__}.")
+#: Strategy of a sharded role given without one (a list of roles): everything partitioned over the role's ranks.
+DEFAULT_SHARD_STRATEGY = "GGG"
+
+
+def _normalise_sharded(sharded: Sequence[str] | Mapping[str, str] | None) -> dict[str, str]:
+    """``["actor", "ref"]`` or ``{"actor": "iig"}`` -> ``{role: "STRATEGY"}`` in role order."""
+    if sharded is None:
+        return {}
+    if isinstance(sharded, str):
+        raise TypeError(f"sharded_roles={sharded!r} must be a list of roles or a mapping role -> strategy, not a "
+                        "string; e.g. ['actor', 'critic'] or {'actor': 'IIG'}.")
+    items = sharded.items() if isinstance(sharded, Mapping) else ((r, DEFAULT_SHARD_STRATEGY) for r in sharded)
+    out: dict[str, str] = {}
+    for role, strategy in items:
+        if not isinstance(strategy, str) or not strategy.strip():
+            raise TypeError(f"sharded_roles['{role}'] = {strategy!r}: the strategy is a string such as 'GGG' "
+                            "(ZeRO-3) or 'IIG'.")
+        out[str(role)] = strategy.strip().upper()
+    return dict(sorted(out.items(), key=lambda kv: _role_order(kv[0])))

@@ -1,19 +1,29 @@
 """trl_trainers: TRL-compatible trainers that TRL no longer ships (PPO), built to run under ``hf_placement``.
 
 ``PPOConfig``/``PPOTrainer`` keep TRL 1.12's ``trl.experimental.ppo`` interface, so a TRL PPO script changes only its
-import line. The PPO mathematics lives in :mod:`trl_trainers.ppo_math` as pure tensor functions.
+import line. The PPO mathematics lives in :mod:`trl_trainers.ppo_math` as pure tensor functions; the phases of one
+iteration (generation, scoring, experience, training) in `PPOPhases`; where they run in `trl_trainers.placement`.
 """
 
 from . import ppo_math
+from .batch_layout import BatchLayout, compute_batch_layout
 from .ppo_config import PPOConfig
-from .ppo_trainer import Experience, OnlineTrainerState, PolicyAndValueWrapper, PPOTrainer, Rollout
+from .ppo_phases import Experience, PolicyAndValueWrapper, PPOModels, PPOPhases, Rollout
+from .ppo_trainer import OnlineTrainerState, PPOTrainer
+from .training_backend import ReplicatedBackend, TrainingBackend
 
 __all__ = [
+    "BatchLayout",
     "Experience",
     "OnlineTrainerState",
     "PPOConfig",
+    "PPOModels",
+    "PPOPhases",
     "PPOTrainer",
     "PolicyAndValueWrapper",
+    "ReplicatedBackend",
     "Rollout",
+    "TrainingBackend",
+    "compute_batch_layout",
     "ppo_math",
 ]

@@ -1,8 +1,9 @@
 """``PPOConfig``: TRL 1.12's PPO configuration (same field names and defaults), on ``transformers.TrainingArguments``.
 
 TRL removed its PPO trainer after 1.12.0; scripts written for ``trl.experimental.ppo.PPOConfig`` keep working when they
-import this class instead. The fields below the "derived at runtime" heading are filled by the trainer once it knows the
-world size, as TRL does, so a script that reads ``args.batch_size`` after building the trainer still can.
+import this class instead. The runtime fields (``world_size``, ``batch_size``, ``num_total_batches``, ...) are filled on
+the trainer's copy, ``trainer.args``, once the world size is known (TRL wrote them into the caller's object); the
+config a script passes is never modified.
 """
 
 from __future__ import annotations
@@ -144,8 +145,8 @@ class PPOConfig(TrainingArguments):
     ds3_gather_for_generation: bool = field(
         default=True,
         metadata={
-            "help": "Under DeepSpeed ZeRO-3, gather the policy weights once for generation. Accepted for script "
-            "compatibility; this trainer does not shard the policy, so it has no effect here."
+            "help": "When the policy is sharded (a plan with a sharded actor), gather its weights once for the whole "
+            "generation instead of per forward call (as TRL does under DeepSpeed ZeRO-3)."
         },
     )
 
@@ -155,7 +156,7 @@ class PPOConfig(TrainingArguments):
             "help": "(trl_trainers extension) Where the four PPO models run (FlexRLHF placements): 'colocated' (every "
             "model on every rank, TRL), 'interleaved' (reference and reward on disjoint owner halves), "
             "'disaggregated' (training ranks and inference ranks with shadow models synced every iteration), or a "
-            "path to a .yaml/.json `hf_placement.PlacementPlan`. None: plain data-parallel PPO (no placement layer). "
+            "path to a .yaml/.json `hf_placement.PlacementPlan`. None: co-located (TRL's data-parallel PPO). "
             "The `placement=` argument of PPOTrainer, when given, wins over this field."
         },
     )
@@ -229,14 +230,19 @@ class PPOConfig(TrainingArguments):
                 f"missing_eos_penalty={self.missing_eos_penalty} must be a positive value: it is subtracted from the "
                 "score of responses without EOS."
             )
-        if self.max_staleness not in (0, 1):
+        self.check_placement_options()
+        if self.num_sample_generations < 0:
+            raise ValueError(f"num_sample_generations={self.num_sample_generations} must be >= 0.")
+
+    def check_placement_options(self) -> None:
+        """Validate the placement options against themselves (the one place they are checked; the plan-dependent
+        checks, e.g. ``max_staleness=1`` needs a disaggregated plan, run when the plan is resolved)."""
+        if isinstance(self.max_staleness, bool) or self.max_staleness not in (0, 1):
             raise ValueError(f"max_staleness={self.max_staleness!r} is not supported: use 0 (synchronous PPO) or 1 "
                              "(one-step off-policy, disaggregated placement only).")
         if self.weight_sync not in ("broadcast", "bucketed_p2p"):
             raise ValueError(f"weight_sync={self.weight_sync!r} is not supported: use 'broadcast' or 'bucketed_p2p'.")
-        if self.placement_timeout_s <= 0:
+        if not self.placement_timeout_s > 0:
             raise ValueError(f"placement_timeout_s={self.placement_timeout_s} must be positive (seconds).")
         if self.rollout_replicas < 1:
             raise ValueError(f"rollout_replicas={self.rollout_replicas} must be a positive integer.")
-        if self.num_sample_generations < 0:
-            raise ValueError(f"num_sample_generations={self.num_sample_generations} must be >= 0.")

@@ -6,14 +6,10 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.insert(0, str(BENCH))
-
-from emulated_cluster import ClusterRunError, EmulatedCluster  # noqa: E402
+from hf_placement.testing.emulated_cluster import ClusterRunError, EmulatedCluster
 
 pytestmark = [
     pytest.mark.slow,

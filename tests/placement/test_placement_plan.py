@@ -1,5 +1,5 @@
-"""PlacementPlan validation and serialisation, the memory accountant (rlhf_placement.md §4.5 table), the planner's
-cost model and its CLI. Single process, no process groups."""
+"""PlacementPlan validation and serialisation, the memory accountant, the planner's cost model and its CLI.
+Single process, no process groups."""
 
 from __future__ import annotations
 
@@ -12,20 +12,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_placement import (
+from hf_placement import PlacementPlan
+from hf_placement.groups import planned_rank_sets
+from hf_placement.planner import (
     Calibration,
     Hardware,
     ModelSizes,
-    PlacementPlan,
     Workload,
+    candidate_plans,
     estimate,
     model_state_bytes,
     rank_plans,
-    select_tensors,
     shard_verdict,
 )
-from hf_placement.channels import pack_tree, unpack_tree
-from hf_placement.groups import planned_rank_sets
+from hf_placement.runtime import select_tensors
+from hf_placement.runtime.channels import pack_tree, unpack_tree
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -138,7 +139,24 @@ def test_save_load_roundtrip(tmp_path, suffix):
     plan = PlacementPlan.disaggregated(4, rollout_replicas=2, sharded_roles=["ref"])
     path = plan.save(tmp_path / f"plan{suffix}")
     assert PlacementPlan.load(path) == plan
-    assert PlacementPlan.from_ppo_config_fields(placement=str(path), world_size=4) == plan
+    assert plan.sharded_roles == {"ref": "GGG"}  # a list of roles means ZeRO-3 ("GGG") for each
+
+
+def test_sharded_roles_carry_a_strategy_per_role():
+    plan = PlacementPlan.interleaved(4, sharded_roles={"actor": "iig", "critic": "IIG", "reward": "GGG"})
+    assert plan.sharded_roles == {"actor": "IIG", "critic": "IIG", "reward": "GGG"}  # normalised, role order
+    assert "reward   [2, 3] (sharded, GGG)" in plan.describe()
+    assert PlacementPlan.from_dict(plan.to_dict()) == plan
+    assert PlacementPlan.colocated(2, sharded="NNG").sharded_roles == dict.fromkeys(("actor", "critic", "ref",
+                                                                                     "reward"), "NNG")
+    with pytest.raises(TypeError, match="list of roles or a mapping"):
+        PlacementPlan.colocated(2).__class__(world_size=2, roles=PlacementPlan.colocated(2).roles,
+                                             sharded_roles="actor")
+    # the intra group of a role: ranks per node clipped to the role's size, and it must split the role evenly
+    assert plan.role_group_size("actor", 2) == 2 and plan.role_group_size("ref", 4) == 2
+    assert plan.role_group_size("actor") == 4
+    with pytest.raises(ValueError, match="do not split into groups of 3"):
+        plan.role_group_size("actor", 3)
 
 
 def test_unknown_keys_and_missing_keys(tmp_path):
@@ -152,25 +170,6 @@ def test_unknown_keys_and_missing_keys(tmp_path):
         PlacementPlan.load(bad)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         PlacementPlan.load(tmp_path / "nope.yaml")
-
-
-def test_from_ppo_config_fields():
-    assert PlacementPlan.from_ppo_config_fields(world_size=2) == PlacementPlan.colocated(2)
-    inter = PlacementPlan.from_ppo_config_fields("interleaved", placement_ratios="ref=0.25,reward=0.25", world_size=4)
-    assert inter.roles["ref"] == [0] and inter.roles["reward"] == [1]
-    dis = PlacementPlan.from_ppo_config_fields("Disaggregated", rollout_replicas=2, world_size=4)
-    assert dis.rollout_replicas == 2 and dis.strategy == "disaggregated"
-    assert PlacementPlan.from_ppo_config_fields(dis.to_dict(), world_size=4) == dis
-    with pytest.raises(ValueError, match="only applies to placement='interleaved'"):
-        PlacementPlan.from_ppo_config_fields("colocated", placement_ratios={"ref": 0.5}, world_size=2)
-    with pytest.raises(ValueError, match="rollout_replicas=2 only applies to placement='disaggregated'"):
-        PlacementPlan.from_ppo_config_fields("interleaved", rollout_replicas=2, world_size=2)
-    with pytest.raises(ValueError, match="is not a strategy"):
-        PlacementPlan.from_ppo_config_fields("separation", world_size=2)
-    with pytest.raises(ValueError, match="plan is for world_size=4 but the job has 2"):
-        PlacementPlan.from_ppo_config_fields(dis, world_size=2)
-    with pytest.raises(ValueError, match="'role=ratio' items"):
-        PlacementPlan.from_ppo_config_fields("interleaved", placement_ratios="ref:0.5", world_size=2)
 
 
 # ---------------------------------------------------------------------------------------------------------- memory
@@ -247,8 +246,8 @@ def test_planner_responds_to_the_workload():
 
 
 def test_gradient_syncs_count_optimizer_steps_and_use_the_reduce_scatter_bandwidth():
-    # Every optimizer step (ppo_epochs x mini_batches) synchronises the gradients once: all-reduce for a replicated
-    # role, reduce-scatter for a sharded one, at the measured reduce-scatter bandwidth when one is given.
+    # Every optimizer step (ppo_epochs x mini_batches) synchronises the gradients of a replicated role once
+    # (all-reduce); a sharded role follows its PaRO strategy's schedule, at the measured reduce-scatter bandwidth.
     hw = Hardware.cpu(2, link_bandwidth=1e8, link_latency_s=0.0)
     train = {}
     for mb in (1, 2):
@@ -263,7 +262,8 @@ def test_gradient_syncs_count_optimizer_steps_and_use_the_reduce_scatter_bandwid
     slow_rs = Hardware.cpu(2, link_bandwidth=1e8, link_latency_s=0.0, reduce_scatter_bandwidth=2.5e7)
     w2 = Workload(actor_params=26e6, ppo_epochs=2, mini_batches=2)
     sharded = PlacementPlan.colocated(2, sharded=True)
-    extra_rs = 4 * 0.5 * grad_bytes * (1 / 2.5e7 - 1 / 1e8)  # four reduce-scatters at a quarter of the bandwidth
+    # ZeRO-3 ("GGG") reduce-scatters the gradients every micro-step: min(K=4, batch 8) x 2 epochs = 8 of them
+    extra_rs = 8 * 0.5 * grad_bytes * (1 / 2.5e7 - 1 / 1e8)  # at a quarter of the bandwidth
     assert estimate(sharded, w2, slow_rs).phases["train"] - train[2]["sharded"] == pytest.approx(extra_rs, rel=1e-6)
     # a replicated role's all-reduce at its own measured bandwidth (gloo's native all-reduce beats its all-gather)
     fast_ar = Hardware.cpu(2, link_bandwidth=1e8, link_latency_s=0.0, all_reduce_bandwidth=4e8)
@@ -276,8 +276,30 @@ def test_gradient_syncs_count_optimizer_steps_and_use_the_reduce_scatter_bandwid
         Workload(actor_params=1e6, mini_batches=0)
 
 
+def test_candidates_shard_only_what_the_trainer_shards():
+    names = dict(candidate_plans(4))
+    assert names["colocated-sharded"].sharded_roles == dict.fromkeys(("actor", "critic", "ref", "reward"), "GGG")
+    inter = names["interleaved-sharded"]
+    assert inter.sharded_roles == dict.fromkeys(("actor", "critic", "ref", "reward"), "GGG")
+    assert inter.roles["ref"] == [0, 1] and inter.roles["reward"] == [2, 3]  # sharded inside their halves
+    assert names["disaggregated-2t2i-sharded"].sharded_roles == dict.fromkeys(("actor", "critic", "ref", "reward"),
+                                                                              "GGG")
+    assert set(names["disaggregated-1t3i-sharded"].sharded_roles) == {"ref", "reward"}  # one trainer: whole
+    assert "disaggregated-1t1i-sharded" not in dict(candidate_plans(2))  # nothing to shard on one rank per side
+    assert not any(set(p.sharded_roles) & {"rollout", "value"} for _, p in candidate_plans(4))
+
+
+def test_memory_of_a_sharded_role_follows_its_strategy():
+    sizes = ModelSizes(actor=PHI)
+    per_rank = lambda plan, m=None: model_state_bytes(plan, sizes, "fp32", ranks_per_node=m).rank_bytes(0) / PHI
+    # ZeRO-1 (NNG): full weights and gradients, Adam state / 4; IIG with 2 ranks per node: weights and grads / 2
+    assert per_rank(PlacementPlan.colocated(4, sharded="NNG")) == pytest.approx(2 * (4 + 4 + 8 / 4) + 4 + 4)
+    assert per_rank(PlacementPlan.colocated(4, sharded="IIG"), 2) == pytest.approx(2 * (2 + 2 + 2) + 2 + 2)
+    assert per_rank(PlacementPlan.colocated(4, sharded="IIG")) == per_rank(PlacementPlan.colocated(4, sharded=True))
+
+
 def test_compare_to_measured():
-    from hf_placement import compare_to_measured
+    from hf_placement.planner import compare_to_measured
 
     out = compare_to_measured({"colocated": 10.0, "interleaved": 9.0, "disaggregated": 12.0, "only-predicted": 1.0},
                               {"colocated": 8.0, "interleaved": 10.0, "disaggregated": 12.0})
@@ -357,7 +379,7 @@ def test_lora_filter_selects_peft_adapters_only():
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_calibration_measurements_have_the_right_shape():
-    from hf_placement.calibrate import measure_links, parallel_efficiency, spin_for
+    from hf_placement.planner.calibrate import measure_links, parallel_efficiency, spin_for
 
     links = measure_links(2, sizes=[1024, 65536], repeats=1, timeout=240)
     assert links["sizes"] == [1024, 65536]

@@ -33,6 +33,27 @@ def test_resolve_plan_accepts_names_plans_and_files(tmp_path):
     assert plan.is_disaggregated and plan.roles["actor"] == [0, 1]
 
 
+def test_plan_from_config_fields():
+    from trl_trainers.placement import plan_from_config
+
+    assert plan_from_config(None, 2) == PlacementPlan.colocated(2)
+    inter = plan_from_config("interleaved", 4, placement_ratios="ref=0.25,reward=0.25")
+    assert inter.roles["ref"] == [0] and inter.roles["reward"] == [1]
+    dis = plan_from_config("Disaggregated", 4, rollout_replicas=2)
+    assert dis.rollout_replicas == 2 and dis.strategy == "disaggregated"
+    assert plan_from_config(dis.to_dict(), 4) == dis
+    with pytest.raises(ValueError, match="only applies to placement='interleaved'"):
+        plan_from_config("colocated", 2, placement_ratios={"ref": 0.5})
+    with pytest.raises(ValueError, match="rollout_replicas=2 only applies to placement='disaggregated'"):
+        plan_from_config("interleaved", 2, rollout_replicas=2)
+    with pytest.raises(ValueError, match="is not a strategy"):
+        plan_from_config("separation", 2)
+    with pytest.raises(ValueError, match="plan is for world_size=4 but the job has 2"):
+        plan_from_config(dis, 2)
+    with pytest.raises(ValueError, match="'role=ratio' items"):
+        plan_from_config("interleaved", 2, placement_ratios="ref:0.5")
+
+
 def test_resolve_plan_rejects_plans_ppo_cannot_run():
     from trl_trainers.placement import resolve_plan
 
@@ -49,6 +70,40 @@ def test_resolve_plan_rejects_plans_ppo_cannot_run():
         resolve_plan(PlacementPlan.disaggregated(3, train_ranks=[0, 1]), 3)
     with pytest.raises(ValueError, match="not a strategy"):
         resolve_plan("sideways", 2)
+
+
+def test_every_planner_candidate_resolves_to_a_registered_executor(tmp_path):
+    """What `python -m hf_placement plan` can recommend, PPOTrainer runs: every candidate resolves, has an executor,
+    and a sharded candidate keeps its sharding (it is never silently run unsharded)."""
+    from hf_placement.planner import candidate_plans
+    from trl_trainers.placement import executor_kind, registered_executors, resolve_plan, shard_specs
+
+    for world in (2, 3, 4):
+        for name, plan in candidate_plans(world):
+            resolved = resolve_plan(plan, world, _args(tmp_path))
+            assert resolved.sharded_roles == plan.sharded_roles, name
+            assert executor_kind(resolved) in registered_executors(), name
+            specs = shard_specs(resolved, ranks_per_node=None)
+            assert {r for s in specs for r in s.roles} == set(plan.sharded_roles), name
+
+
+def test_sharded_plans_ppo_cannot_run_are_refused(tmp_path):
+    from trl_trainers.placement import resolve_plan
+
+    cases = [
+        (PlacementPlan.disaggregated(4, sharded_roles=["value"]), "shadow role"),
+        (PlacementPlan.colocated(2).__class__(world_size=2, roles=PlacementPlan.colocated(2).roles,
+                                              sharded_roles=["actor"]), "shard both or neither"),
+        (PlacementPlan.colocated(2).__class__(world_size=2, roles=PlacementPlan.colocated(2).roles,
+                                              sharded_roles={"actor": "GGG", "critic": "NNG"}), "same strategy"),
+        (PlacementPlan.interleaved(4, sharded_roles={"ref": "NNG"}), "p=N"),
+        (PlacementPlan.interleaved(4, sharded_roles={"ref": "GIN"}), "invalid"),
+    ]
+    for plan, message in cases:
+        with pytest.raises(ValueError, match=message):
+            resolve_plan(plan, plan.world_size, _args(tmp_path))
+    with pytest.raises(NotImplementedError, match="ds3_gather_for_generation=False"):
+        resolve_plan(PlacementPlan.colocated(2, sharded=True), 2, _args(tmp_path, ds3_gather_for_generation=False))
 
 
 def test_equivalence_issues_name_the_fix(tmp_path):
@@ -150,8 +205,9 @@ def test_placement_from_config_field_and_alias(tmp_path):
                            direct.train_dataset, _fresh_value())
     assert via_field.plan.strategy == "colocated" and isinstance(via_field.executor, ColocatedExecutor)
     args.placement = None
-    alias = PlacedPPOTrainer(args, direct.processing_class, _fresh_policy(), None, direct.reward_model,
-                             direct.train_dataset, _fresh_value(), placement_timeout_s=30.0)
+    with pytest.warns(FutureWarning, match="PlacedPPOTrainer is deprecated"):
+        alias = PlacedPPOTrainer(args, direct.processing_class, _fresh_policy(), None, direct.reward_model,
+                                 direct.train_dataset, _fresh_value(), placement_timeout_s=30.0)
     assert alias.plan.strategy == "colocated" and alias.args.placement_timeout_s == 30.0
     for trainer in (via_field, alias):
         trainer.callback_handler.callbacks = [c for c in trainer.callback_handler.callbacks
@@ -159,11 +215,16 @@ def test_placement_from_config_field_and_alias(tmp_path):
         trainer.train()
         for key, value in _params(direct).items():
             assert (_params(trainer)[key] == value).all(), key
-    plain = PPOTrainer(args, direct.processing_class, _fresh_policy(), None, direct.reward_model,
+    # without any placement the trainer runs the default, co-located executor
+    fresh = copy.copy(args)
+    fresh.batch_size = fresh.num_total_batches = None
+    plain = PPOTrainer(fresh, direct.processing_class, _fresh_policy(), None, direct.reward_model,
                        direct.train_dataset, _fresh_value())
-    assert plain.plan is None and plain.timeline is None and plain.is_training_rank
-    with pytest.raises(ValueError, match="needs a placement"):
-        plain.gather_timeline()
+    assert plain.plan.strategy == "colocated" and isinstance(plain.executor, ColocatedExecutor)
+    assert plain.is_training_rank and plain.gather_timeline() == [plain.timeline]
+    # TRL's runtime fields are filled on the trainer's copy; the caller's config is never modified
+    assert fresh.batch_size is None and fresh.num_total_batches is None
+    assert plain.args.batch_size == plain.layout.batch_size == 4 and plain.args.num_total_batches == 1
     with pytest.raises(ValueError, match="mutually exclusive"):
         PPOTrainer(args, direct.processing_class, _fresh_policy(), None, direct.reward_model, direct.train_dataset,
                    _fresh_value(), group=object(), placement="colocated")

@@ -40,7 +40,7 @@ def _train(rank: int, world_size: int, output_dir: str, per_device: int, grad_ac
     trainer.train()
     # numpy, not tensors: tensors cross process boundaries through shared memory that dies with the rank
     params = {k: v.detach().numpy().copy() for k, v in trainer.model.state_dict().items()}
-    return params, [h["objective/scores"] for h in trainer.state.log_history], args.batch_size
+    return params, [h["objective/scores"] for h in trainer.state.log_history], trainer.args.batch_size
 
 
 def _init_params():

@@ -2,7 +2,7 @@
 
 Each rank records ``(phase, start, end, bytes)`` events with wall-clock seconds (``time.time()``, comparable across
 processes of one machine; across nodes, clock skew of the hosts shows up as shifts). Phases named ``wait:<what>``
-mark time blocked on a peer. Idle time is the story of placement (`rlhf_placement.md` §4.5): a disaggregated schedule
+mark time blocked on a peer. Idle time is the story of placement: a disaggregated schedule
 trades idle gaps on one group for overlap, so the summary reports, per rank, busy time (union of its non-wait
 intervals), idle time within the iteration span, explicit waits, and time per phase. `gather_timelines` collects
 every rank's events (an object all-gather on a group with a timeout).
@@ -112,7 +112,7 @@ def to_chrome_trace(timelines: Sequence[Timeline]) -> dict[str, Any]:
         trace.append({"name": e.phase, "cat": e.phase.split(":")[0], "ph": "X", "pid": e.rank, "tid": 0,
                       "ts": round((e.start - t0) * 1e6, 3), "dur": round(e.duration * 1e6, 3),
                       "args": {"bytes": e.bytes}})
-    return {"traceEvents": trace, "displayTimeUnit": "ms", "otherData": {"producer": "hf_placement.timeline"}}
+    return {"traceEvents": trace, "displayTimeUnit": "ms", "otherData": {"producer": "hf_placement.runtime.timeline"}}
 
 
 def write_chrome_trace(path: str | Path, timelines: Sequence[Timeline]) -> Path:

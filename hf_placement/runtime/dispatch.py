@@ -1,4 +1,4 @@
-"""Role handles with owner semantics (APP's ``GroupPlacePolicy``, `rlhf_placement.md` §1.4 and §4.2.3).
+"""Role handles with owner semantics (APP's ``GroupPlacePolicy``, FlexRLHF arXiv 2312.11819).
 
 A role's model lives only on its *owner* ranks. Every data rank (a rank holding a micro-batch, by default the
 generators) that is not an owner is paired with one owner (`PlacementPlan.partners`: round-robin, so each owner
@@ -28,8 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..plan import PlacementPlan
 from .channels import Channel, _flatten, _unflatten
-from .plan import PlacementPlan
 from .timeline import Timeline
 
 __all__ = ["RoleCall", "RoleHandle", "run_concurrently"]

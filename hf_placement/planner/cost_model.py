@@ -1,12 +1,12 @@
-"""The placement planner: a pure cost model of one PPO iteration per placement plan (`rlhf_placement.md` §4.6).
+"""The placement planner: a pure cost model of one PPO iteration per placement plan.
 
 Inputs are a `Workload` (model sizes, global batch ``S`` of sequences with prompt ``p`` and response ``r`` tokens, PPO
 epochs, micro-batches ``K``), a `Hardware` description (devices, per-device memory cap, peak FLOP/s ``F``, memory
 bandwidth ``W``, link bandwidth ``β`` and latency ``α``, efficiencies, a fixed overhead per model call) and an
 optional `Calibration` (phase times measured on one device for the whole batch, which rescale the analytic phase
-costs). `estimate` prices one `PlacementPlan`; `rank_plans` prices the candidate strategies (co-located, co-located
-sharded, interleaved, interleaved sharded, disaggregated for every train/inference split) and ranks them: plans
-within the memory cap first, by predicted iteration time.
+costs). `estimate` prices one `PlacementPlan`; `rank_plans` prices the candidate plans (`candidate_plans`:
+co-located, interleaved and every disaggregated train/inference split, each also with its models sharded) and ranks
+them: plans within the memory cap first, by predicted iteration time.
 
 Phase costs (per device, batch ``b`` on that device, model of ``Φ`` parameters, ``w`` bytes per weight):
 
@@ -17,21 +17,25 @@ Phase costs (per device, batch ``b`` on that device, model of ``Φ`` parameters,
 - collectives over ``n`` ranks: all-reduce ``2(n-1)/n·B/β + 2(n-1)α``, all-gather ``(n-1)/n·B/β + (n-1)α``,
   broadcast / point-to-point ``B/β + α``.
 
+Sharded roles are priced with the schedule of the PaRO engine that shards them
+(`paro_zero_backend.cost_model.collectives`: which collective, over which group, how often, for the role's
+strategy): the trained models pay it for every optimizer step of the iteration; every phase that runs a sharded
+model without gradients (generation, the experience forwards, the trainer's side of a weight sync) pays one
+parameter gather of it, because the trainer pins the full weights for the whole phase.
+
 Plans:
 
 - not disaggregated: ``T = T_gen + T_inf + T_train``; ref and reward on disjoint owner sets run concurrently
-  (``max`` instead of sum), each on ``S / owners`` sequences; a sharded role pays an all-gather of its weights on its
-  group per forward chunk (``K`` per phase, forward and backward in training) and generation gathers the actor once;
+  (``max`` instead of sum), each on ``S / owners`` sequences;
 - disaggregated with ``n_inf`` inference and ``n_train`` training ranks: ``A = T_gen + T_inf`` on the inference group,
   ``B = T_train`` on the trainers, pipelined over ``K`` micro-batches for the first PPO epoch:
   ``T = max(A, B₁) + min(A, B₁)/K + (B - B₁) + T_sync + T_experience``, with ``T_sync`` a broadcast of the actor and
-  critic weights (or only LoRA adapters).
+  critic weights (or only LoRA adapters); ``Workload.max_staleness`` selects a synchronous or one-step-off schedule.
 
-Memory per device is the analytic model state of `hf_placement.memory` (the §4.5 table); a plan whose largest rank
-exceeds ``Hardware.memory_cap_bytes`` is marked over the cap and ranked after every plan that fits.
+Memory per device is the analytic model state of `hf_placement.planner.memory`; a plan whose largest rank exceeds
+``Hardware.memory_cap_bytes`` is marked over the cap and ranked after every plan that fits.
 
-The CPU constant set describes one core of this kind of machine; `Calibration` replaces guesses by measurements.
-Validation of the CPU instantiation against measured runs needs the PPO executors (not part of this module).
+The CPU constant set describes one core of a small x86 machine; `Calibration` replaces guesses by measurements.
 """
 
 from __future__ import annotations
@@ -40,8 +44,10 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from paro_zero_backend.cost_model import collectives as paro_collectives
+
+from ..plan import BASE_ROLES, DEFAULT_SHARD_STRATEGY, PlacementPlan
 from .memory import ModelSizes, model_state_bytes
-from .plan import PlacementPlan
 
 __all__ = ["Calibration", "Hardware", "PlanEstimate", "Workload", "candidate_plans", "compare_to_measured", "estimate",
            "rank_plans"]
@@ -69,10 +75,10 @@ class Workload:
     train_flops_factor: float = field(default=6.0, metadata={"help": "FLOPs per param per token in training (6, "
                                                                      "or 8 with activation recomputation)."})
     max_staleness: int | None = field(default=None, metadata={
-        "help": "Disaggregated schedule: None = APP's micro-batch pipeline (generation of micro-batch i+1 overlaps "
-                "training of i); 0 = synchronous PPO with whole-batch advantage whitening (trl_trainers' executor: "
-                "the trainers start when the whole batch has arrived, no overlap); 1 = one-step off-policy (the "
-                "next batch is generated while this one trains)."})
+        "help": "Disaggregated schedule: None = a micro-batch pipeline (generation of micro-batch i+1 overlaps "
+                "training of i); 0 = synchronous (training starts when the whole batch has arrived, as whole-batch "
+                "advantage whitening requires); 1 = one-step off-policy (the next batch is generated while this "
+                "one trains)."})
 
     def __post_init__(self) -> None:
         if self.max_staleness not in (None, 0, 1):
@@ -116,12 +122,12 @@ class Hardware:
     link_latency_s: float = field(default=3e-4, metadata={"help": "Per-message latency (α), seconds."})
     reduce_scatter_bandwidth: float | None = field(default=None, metadata={
         "help": "Bandwidth of a reduce-scatter, bytes/s, in the all-gather convention ((n-1)/n x total bytes / "
-                "time); default β. Set it from hf_placement.calibrate.measure_links: gloo has no native "
+                "time); default β. Set it from hf_placement.planner.calibrate.measure_links: gloo has no native "
                 "reduce-scatter and runs it several times slower than an all-gather of the same size."})
     all_reduce_bandwidth: float | None = field(default=None, metadata={
         "help": "Bandwidth of an all-reduce, bytes/s, in the ring convention (2 (n-1)/n x bytes / time); default β. "
                 "gloo's native all-reduce of large buffers runs faster than its all-gather of the same size "
-                "(hf_placement.calibrate.measure_links)."})
+                "(hf_placement.planner.calibrate.measure_links)."})
     mfu_train: float = field(default=0.5, metadata={"help": "Training efficiency η (fraction of F)."})
     mfu_infer: float = field(default=0.5, metadata={"help": "Inference efficiency η_i (fraction of F)."})
     call_overhead_s: float = field(default=5e-3, metadata={"help": "Fixed cost per model call / decode step (o)."})
@@ -129,8 +135,8 @@ class Hardware:
     name: str = field(default="custom", metadata={"help": "Label of the constant set."})
     parallel_efficiency: float = field(default=1.0, metadata={
         "help": "Throughput of all devices computing at once / (devices x one alone), as measured by "
-                "hf_placement.calibrate.parallel_efficiency: 1 for GPUs; below 1 on a shared or oversubscribed CPU, "
-                "where phases that keep every device busy run 1/efficiency slower."})
+                "hf_placement.planner.calibrate.parallel_efficiency: 1 for GPUs; below 1 on a shared or "
+                "oversubscribed CPU, where phases that keep every device busy run 1/efficiency slower."})
 
     def __post_init__(self) -> None:
         if not isinstance(self.devices, int) or self.devices < 1:
@@ -151,12 +157,9 @@ class Hardware:
 
     @classmethod
     def cpu(cls, devices: int, **overrides: Any) -> Hardware:
-        """One CPU core per rank, fp32 + Adam, gloo on loopback.
-
-        Set from the single-core phase times of `rlhf_placement.md` §4.5 (GPT-2 3.7 M / 26 M, batch 8, 16 + 32
-        tokens: ~50 GFLOP/s effective, ~30 ms per 26 M decode step) and gloo on loopback (~0.3 ms latency; 2 GB/s
-        broadcast but much slower all-gathers, hence 1 GB/s). Calibrate with measured times for another machine.
-        """
+        """One CPU core per rank, fp32 + Adam, gloo on loopback: order-of-magnitude constants of a small x86 core
+        and loopback gloo (all-gathers far slower per byte than broadcasts). Calibrate for real predictions
+        (`hf_placement.planner.calibrate`, `Calibration`)."""
         base = dict(peak_flops=1e11, mem_bandwidth=5e9, link_bandwidth=1e9, link_latency_s=3e-4, mfu_train=0.5,
                     mfu_infer=0.5, call_overhead_s=5e-3, precision="fp32", name="cpu")
         base.update(overrides)
@@ -190,18 +193,17 @@ class Calibration:
 
     One time per phase rescales that phase's analytic cost by measured / predicted, so the analytic model still
     decides how the phase scales with the per-device batch. On hardware where the constants are off, that split
-    between per-call (fixed) and per-sample work is what goes wrong: on a CPU core, decoding a 7 M-parameter model
-    at batch 8-16 costs in proportion to the batch, while the default constants call it weight-read bound and predict
-    no saving from halving the batch (`bench/placement`, large-model: 0.92 s predicted vs 0.37 s measured for
-    generation on half the batch). The ``*_half_s`` times, measured the same way on half the batch, fix the split from
+    between per-call (fixed) and per-sample work is what goes wrong: on a CPU core, decoding a small model at batch
+    8-16 costs in proportion to the batch, while the default constants call it weight-read bound and predict no
+    saving from halving the batch. The ``*_half_s`` times, measured the same way on half the batch, fix the split from
     measurements: ``t(b) = t(S) * (f + (1 - f) * b / S)`` with the fixed fraction ``f = 2 t(S/2) / t(S) - 1``
     (clamped to [0, 1]).
 
     The ``*_concurrent_s`` times are the whole-batch phase again, on one device while every other device runs the
     same work at once. Their ratio to the alone time is that phase's slowdown under contention, which the model
     applies to the phases in which all devices compute together (in place of ``Hardware.parallel_efficiency``, a
-    matmul loop's figure): on a shared 2-core host a matmul loop read 0.91 while two co-located ranks generated ~2x
-    slower than one alone (`bench/placement`, base configuration).
+    matmul loop's figure, which on a shared host can read high while the real phases slow down far more; see
+    the placement benchmark, ``bench/placement``).
     """
 
     generate_s: float | None = field(default=None, metadata={"help": "Generation of the whole batch, one device."})
@@ -305,14 +307,14 @@ class _Costs:
         return f + (1.0 - f) * b / self.S
 
     # raw (unscaled) compute costs
-    def _gen(self, b: float, tp: int = 1) -> float:
+    def _gen(self, b: float) -> float:
         w, hw = self.w, self.hw
         phi = self.sizes.actor
         wb = hw.weight_bytes
         prefill = 2 * phi * b * w.prompt_len / (hw.peak_flops * hw.mfu_infer) + hw.call_overhead_s
         ctx = w.prompt_len + w.response_len / 2
         kv = 2 * self.layers * self.hidden * ctx * b * wb
-        step = max((wb * phi / tp + kv / tp) / hw.mem_bandwidth, 2 * phi * b / (tp * hw.peak_flops * hw.mfu_infer))
+        step = max((wb * phi + kv) / hw.mem_bandwidth, 2 * phi * b / (hw.peak_flops * hw.mfu_infer))
         return prefill + w.response_len * (step + hw.call_overhead_s)
 
     def _fwd(self, phi: float, b: float) -> float:
@@ -332,12 +334,11 @@ class _Costs:
                 + steps * 16 * trainable * 2 / hw.mem_bandwidth + 3 * micro * hw.call_overhead_s)
 
     # scaled compute
-    def gen(self, b: float, tp: int = 1) -> float:
+    def gen(self, b: float) -> float:
         k = self._batch_factor("generate", b)
         if k is None:
-            return self.scale["generate"] * self._gen(b, tp)
-        # measured batch scaling; tensor parallelism keeps the analytic speed-up
-        return self.scale["generate"] * self._gen(self.S) * k * self._gen(b, tp) / self._gen(b)
+            return self.scale["generate"] * self._gen(b)
+        return self.scale["generate"] * self._gen(self.S) * k
 
     def fwd(self, role: str, b: float) -> float:
         k = self._batch_factor("inference", b)
@@ -378,6 +379,49 @@ class _Costs:
     def weights(self, role: str) -> float:
         return self.sizes.params(role) * self.hw.weight_bytes
 
+    # sharded roles: the PaRO engine's schedule for the role's strategy
+    def _schedule(self, plan: PlacementPlan, role: str, trainable: bool, micro_steps: float) -> list[dict]:
+        psi = self.sizes.params(role)
+        psi_t = psi * (self.w.lora_fraction or 1.0) if trainable else 0.0
+        ranks = plan.ranks(role)
+        m = plan.role_group_size(role, self.hw.devices_per_node)
+        wb = self.hw.weight_bytes
+        return paro_collectives(plan.sharded_roles[role], psi, psi_t, len(ranks), m, max(1, round(micro_steps)),
+                                bytes_param=wb, bytes_grad=wb)
+
+    def _price(self, plan: PlacementPlan, role: str, records: list[dict], scale: float = 1.0) -> float:
+        """Seconds of a list of collective records (bytes sent per rank summed over ``calls``) on ``role``'s ranks:
+        intra-group records on one group of ``m`` consecutive ranks, inter-group records across the groups."""
+        ranks = sorted(plan.ranks(role))
+        m = plan.role_group_size(role, self.hw.devices_per_node)
+        groups = {"intra": ranks[:m], "inter": ranks[::m], "flat": ranks}
+        op_time = {"all_gather": self.all_gather, "reduce_scatter": self.reduce_scatter,
+                   "all_reduce": self.all_reduce}
+        total = 0.0
+        for r in records:
+            group = groups[r["link"]]
+            k = len(group)
+            if k <= 1 or r["calls"] <= 0:
+                continue
+            calls = r["calls"] * scale
+            share = (2 if r["op"] == "all_reduce" else 1) * (k - 1) / k  # bytes sent per buffer byte
+            total += calls * op_time[r["op"]](r["bytes"] * scale / calls / share, group)
+        return total
+
+    def gather(self, plan: PlacementPlan, role: str) -> float:
+        """One gather of a sharded role's full weights (the phase pins them); 0 when the role is not sharded."""
+        if role not in plan.sharded_roles:
+            return 0.0
+        params = [r for r in self._schedule(plan, role, False, 1) if r["term"] == "t_param"]
+        return self._price(plan, role, params, scale=0.5)  # the schedule gathers twice per micro-step (fwd + bwd)
+
+    def train_comm(self, plan: PlacementPlan, role: str, micro_steps: float, syncs: int) -> float:
+        """Gradient synchronisation (and, for a sharded role, parameter gathers) of a trained role per iteration."""
+        ranks = plan.ranks(role)
+        if role not in plan.sharded_roles:
+            return syncs * self.all_reduce(self.weights(role) * (self.w.lora_fraction or 1.0), ranks)
+        return syncs * self._price(plan, role, self._schedule(plan, role, True, micro_steps / syncs))
+
 
 def estimate(plan: PlacementPlan, workload: Workload, hardware: Hardware, calibration: Calibration | None = None,
              name: str | None = None) -> PlanEstimate:
@@ -394,64 +438,41 @@ def estimate(plan: PlacementPlan, workload: Workload, hardware: Hardware, calibr
         for k in c.scale:
             slowdown = calibration.concurrent_slowdown(k) if calibration is not None else None
             c.scale[k] *= slowdown if slowdown is not None else 1.0 / hardware.parallel_efficiency
-    sharded = set(plan.sharded_roles)
     syncs = w.ppo_epochs * w.mini_batches  # gradient synchronisations (optimizer steps) per iteration
     phases: dict[str, float] = {}
     if not plan.is_disaggregated:
         actor, critic = plan.ranks("actor"), plan.ranks("critic")
         b = S / len(actor)
-        gen_gather = c.all_gather(c.weights("actor"), actor) if "actor" in sharded else 0.0
-        phases["generate"] = c.gen(b) + gen_gather
+        phases["generate"] = c.gen(b) + c.gather(plan, "actor")
 
         def frozen(role: str) -> float:
             ranks = plan.ranks(role)
-            t = c.fwd(role, S / len(ranks))
-            if role in sharded:
-                t += K * c.all_gather(c.weights(role), ranks)
+            t = c.fwd(role, S / len(ranks)) + c.gather(plan, role)
             if len(ranks) < len(actor):  # owners receive partners' tokens and send results back
                 t += c.p2p(S / len(actor) * (w.prompt_len + w.response_len) * 8, ranks) * 2
             return t
 
-        inf = c.fwd("actor", b) + (K * c.all_gather(c.weights("actor"), actor) if "actor" in sharded else 0.0)
-        inf += c.fwd("critic", S / len(critic)) + (K * c.all_gather(c.weights("critic"), critic)
-                                                   if "critic" in sharded else 0.0)
+        inf = c.fwd("actor", b) + c.fwd("critic", S / len(critic)) + c.gather(plan, "critic")
         t_ref, t_rw = frozen("ref"), frozen("reward")
         disjoint = not set(plan.ranks("ref")) & set(plan.ranks("reward"))
         inf += max(t_ref, t_rw) if disjoint else t_ref + t_rw
         phases["inference"] = inf
-        train = c.train(b)
         micro_steps = min(K, max(1, math.ceil(b))) * w.ppo_epochs
-        for role in ("actor", "critic"):
-            ranks = plan.ranks(role)
-            gb = c.weights(role) * (w.lora_fraction or 1.0)
-            if role in sharded:
-                train += micro_steps * 2 * c.all_gather(c.weights(role), ranks) + syncs * c.reduce_scatter(gb, ranks)
-            else:
-                train += syncs * c.all_reduce(gb, ranks)
-        phases["train"] = train
+        phases["train"] = c.train(b) + sum(c.train_comm(plan, role, micro_steps, syncs) for role in ("actor", "critic"))
         phases["sync"] = 0.0
         total = phases["generate"] + phases["inference"] + phases["train"]
     else:
         infer, trainers = plan.ranks("rollout"), plan.ranks("actor")
-        n_inf = len(infer)
-        tp = len(infer) // plan.rollout_replicas if "rollout" in sharded else 1
-        gen = c.gen(S / (n_inf / tp), tp)
+        gen = c.gen(S / len(infer))
         inf = sum(c.fwd(role, S / len(plan.ranks(role))) for role in ("rollout", "value", "ref", "reward"))
-        for role in ("value", "ref", "reward"):
-            if role in sharded:
-                inf += K * c.all_gather(c.weights(role), plan.ranks(role))
+        inf += sum(c.gather(plan, role) for role in ("value", "ref", "reward"))
         b_train = S / len(trainers)
-        train = c.train(b_train)
-        for role in ("actor", "critic"):
-            ranks = plan.ranks(role)
-            gb = c.weights(role) * (w.lora_fraction or 1.0)
-            if role in sharded:
-                micro_steps = min(K, max(1, math.ceil(b_train))) * w.ppo_epochs
-                train += micro_steps * 2 * c.all_gather(c.weights(role), ranks) + syncs * c.reduce_scatter(gb, ranks)
-            else:
-                train += syncs * c.all_reduce(gb, ranks)
+        micro_steps = min(K, max(1, math.ceil(b_train))) * w.ppo_epochs
+        train = c.train(b_train) + sum(c.train_comm(plan, role, micro_steps, syncs) for role in ("actor", "critic"))
         sync_bytes = (c.weights("actor") + c.weights("critic")) * (w.lora_fraction or 1.0)
-        sync = c.p2p(sync_bytes, sorted(set(trainers) | set(infer)))
+        # a sharded trainer gathers its full weights for the sync source to send them
+        sync = c.p2p(sync_bytes, sorted(set(trainers) | set(infer))) + c.gather(plan, "actor") \
+            + c.gather(plan, "critic")
         experience = c.p2p(S * (w.prompt_len + w.response_len) * (8 + 3 * 4), sorted(set(trainers) | set(infer)))
         a = gen + inf
         phases.update({"generate": gen, "inference": inf, "train": train, "sync": sync + experience})
@@ -463,7 +484,7 @@ def estimate(plan: PlacementPlan, workload: Workload, hardware: Hardware, calibr
             b1 = train / w.ppo_epochs
             overlapped = max(a, b1) + min(a, b1) / K
             total = overlapped + (train - b1) + sync + experience
-    report = model_state_bytes(plan, workload.sizes, hardware.precision)
+    report = model_state_bytes(plan, workload.sizes, hardware.precision, hardware.devices_per_node)
     mem = {r: report.rank_bytes(r) for r in report.per_rank}
     cap = hardware.memory_cap_bytes
     fits = cap is None or max(mem.values()) <= cap
@@ -473,20 +494,36 @@ def estimate(plan: PlacementPlan, workload: Workload, hardware: Hardware, calibr
 
 
 def candidate_plans(devices: int) -> list[tuple[str, PlacementPlan]]:
-    """The strategies the planner compares for ``devices`` ranks."""
-    out = [("colocated", PlacementPlan.colocated(devices)),
-           ("colocated-sharded", PlacementPlan.colocated(devices, sharded=True))]
+    """The plans the planner compares for ``devices`` ranks, each one that `trl_trainers.PPOTrainer` runs.
+
+    Disaggregated splits whose training ranks do not divide the device count are left out: the global batch is cut
+    into one shard per device and every trainer takes the same number of shards.
+
+    Every strategy comes plain and, as ``*-sharded``, with its base models sharded ZeRO-3-style (``"GGG"``) inside
+    their own rank sets: all four over the world when co-located; under interleaving actor and critic over the
+    world and ref / reward over their owner halves; when disaggregated actor and critic over the training ranks and
+    ref / reward over the inference ranks (shadow models stay whole: the weight sync overwrites them). A role on a
+    single rank has nothing to shard.
+    """
+
+    def sharded(plan: PlacementPlan) -> dict[str, str]:
+        return {r: DEFAULT_SHARD_STRATEGY for r in BASE_ROLES if len(plan.roles[r]) > 1}
+
+    out = [("colocated", PlacementPlan.colocated(devices))]
+    if devices > 1:
+        out.append(("colocated-sharded", PlacementPlan.colocated(devices, sharded=True)))
     if devices >= 2 and devices % 2 == 0:
-        out.append(("interleaved", PlacementPlan.interleaved(devices)))
-        out.append(("interleaved-sharded", PlacementPlan.interleaved(
-            devices, sharded_roles=["actor", "critic", "ref", "reward"])))
+        plan = PlacementPlan.interleaved(devices)
+        out.append(("interleaved", plan))
+        out.append(("interleaved-sharded", PlacementPlan.interleaved(devices, sharded_roles=sharded(plan))))
     for n_train in range(1, devices):
+        if devices % n_train:  # each trainer takes the same number of the batch's per-rank shards
+            continue
         plan = PlacementPlan.disaggregated(devices, train_ranks=list(range(n_train)))
         out.append((f"disaggregated-{n_train}t{devices - n_train}i", plan))
-        if n_train > 1 or devices - n_train > 1:
-            sh = PlacementPlan.disaggregated(devices, train_ranks=list(range(n_train)),
-                                             sharded_roles=["actor", "critic", "ref", "reward", "value"])
-            out.append((f"disaggregated-{n_train}t{devices - n_train}i-sharded", sh))
+        if sharded(plan):
+            out.append((f"disaggregated-{n_train}t{devices - n_train}i-sharded", PlacementPlan.disaggregated(
+                devices, train_ranks=list(range(n_train)), sharded_roles=sharded(plan))))
     return out
 
 

@@ -5,7 +5,7 @@ It travels as three point-to-point transfers on one tag: a fixed-size meta tenso
 header_bytes, payload_bytes)``, a JSON header (tree structure, dtype and shape of every tensor) and one flat byte
 payload with all tensors packed. Why a header: heterogeneous outputs (ref log-probs of shape ``(b, r)`` vs reward
 scores of shape ``(b,)``) would otherwise need matching shapes on both sides; mismatched shapes abort gloo with
-``op.preamble.length <= op.nbytes`` (`rlhf_placement.md` §4.7). Bytes are copied verbatim, so transfers are
+``op.preamble.length <= op.nbytes``. Bytes are copied verbatim, so transfers are
 bit-exact for every dtype (bf16 included).
 
 Channels are told apart by their tag (a hash of the name). gloo matches tags; NCCL ignores them and delivers the

@@ -1,20 +1,23 @@
-"""Analytic model-state memory per rank for a `PlacementPlan` (`rlhf_placement.md` §4.5 table).
+"""Analytic model-state memory per rank for a `PlacementPlan`.
 
 Model state = weights + gradients + optimizer state of the trained roles, and weights of the frozen ones (ref,
 reward, shadow actor, shadow critic). Activations, KV cache and the framework runtime are excluded on purpose: they
 depend on the batch, not on the placement, and on CPU the torch runtime dominates RSS.
 
-Bytes per parameter:
+Bytes per element of each state:
 
-| precision | trained (actor, critic) | frozen (ref, reward, shadows) |
-|---|---|---|
-| ``fp32`` (CPU: fp32 weights + fp32 grads + Adam m, v) | 4 + 4 + 8 = 16 | 4 |
-| ``bf16`` (GPU mixed: bf16 weights + bf16 grads + fp32 master, m, v) | 2 + 2 + 12 = 16 | 2 |
+| precision | weights | gradients | optimizer (Adam m, v; + fp32 master in bf16) | trained | frozen |
+|---|---|---|---|---|---|
+| ``fp32`` (CPU) | 4 | 4 | 8 | 16 | 4 |
+| ``bf16`` (GPU mixed precision) | 2 | 2 | 12 | 16 | 2 |
 
-With LoRA (``lora_fraction`` = adapter parameters / model parameters) a trained role holds its frozen base weights
-plus 16 bytes per adapter parameter. A role in ``plan.sharded_roles`` is split evenly over its rank group (ZeRO-3
-style). For four equal models of Φ parameters in fp32 this gives, per rank: co-located 40Φ, interleaved 36Φ,
-disaggregated 32Φ (trainer) / 16Φ (generator), co-located sharded over 2 ranks 20Φ.
+A role in ``plan.sharded_roles`` is held the way the PaRO engine that shards it holds it: its strategy partitions
+weights, gradients and optimizer state over the role's ranks (``n``) or inside groups of ``m`` of them, so this
+module prices every role with `paro_zero_backend.memory_bytes` (an unsharded role is strategy ``"NNN"``), the same
+formula the engine's own byte counts are checked against. With LoRA (``lora_fraction`` = adapter parameters / model
+parameters) a trained role holds its frozen base weights plus the adapter's weights, gradients and optimizer state.
+For four equal models of Φ parameters in fp32 this gives, per rank: co-located 40Φ, interleaved 36Φ, disaggregated
+32Φ (trainer) / 16Φ (generator), co-located ZeRO-3 (``"GGG"``) over 2 ranks 20Φ.
 """
 
 from __future__ import annotations
@@ -23,12 +26,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .plan import BASE_ROLES, ROLES, SHADOW_OF, TRAINED_ROLES, PlacementPlan
+from paro_zero_backend import memory_bytes as paro_memory_bytes
 
-__all__ = ["BYTES_PER_PARAM", "MemoryReport", "MemoryVerdict", "ModelSizes", "model_state_bytes", "shard_verdict"]
+from ..plan import BASE_ROLES, DEFAULT_SHARD_STRATEGY, ROLES, SHADOW_OF, TRAINED_ROLES, PlacementPlan
 
-#: (trained, frozen) bytes per parameter by precision.
-BYTES_PER_PARAM: dict[str, tuple[float, float]] = {"fp32": (16.0, 4.0), "bf16": (16.0, 2.0)}
+__all__ = ["BYTES_PER_PARAM", "MemoryReport", "MemoryVerdict", "ModelSizes", "STATE_BYTES", "model_state_bytes",
+           "shard_verdict"]
+
+#: (weights, gradients, optimizer state) bytes per element by precision.
+STATE_BYTES: dict[str, tuple[float, float, float]] = {"fp32": (4.0, 4.0, 8.0), "bf16": (2.0, 2.0, 12.0)}
+#: (trained, frozen) bytes per parameter by precision, unsharded.
+BYTES_PER_PARAM: dict[str, tuple[float, float]] = {k: (sum(v), v[0]) for k, v in STATE_BYTES.items()}
 
 
 @dataclass(frozen=True)
@@ -89,20 +97,30 @@ class MemoryReport:
                 "per_rank": {str(r): {"total": self.rank_bytes(r), **self.per_rank[r]} for r in sorted(self.per_rank)}}
 
 
-def _role_bytes_per_param(role: str, precision: str, lora_fraction: float | None) -> float:
-    trained, frozen = BYTES_PER_PARAM[precision]
-    if role not in TRAINED_ROLES:
-        return frozen
-    if lora_fraction is None:
-        return trained
-    return frozen + trained * lora_fraction
+def role_state_bytes(plan: PlacementPlan, role: str, sizes: ModelSizes, precision: str = "fp32",
+                     ranks_per_node: int | None = None) -> float:
+    """Model-state bytes one rank of ``role`` holds (the role's strategy over its ranks; unsharded = ``"NNN"``)."""
+    weights, grads, optim = STATE_BYTES[precision]
+    psi = sizes.params(role)
+    trained, total = 0.0, psi
+    if role in TRAINED_ROLES:
+        trained = psi * (sizes.lora_fraction or 1.0)
+        total = psi + (trained if sizes.lora_fraction is not None else 0.0)  # base weights + adapter weights
+    strategy = plan.sharded_roles.get(role, "NNN")
+    n = len(plan.ranks(role))
+    m = plan.role_group_size(role, ranks_per_node)
+    return float(paro_memory_bytes(strategy, total, trained, n, m, weights, grads, optim)["total"])
 
 
-def model_state_bytes(plan: PlacementPlan, sizes: ModelSizes | Mapping[str, float],
-                      precision: str = "fp32") -> MemoryReport:
-    """Model-state bytes per rank of ``plan`` for models of ``sizes`` parameters."""
-    if precision not in BYTES_PER_PARAM:
-        raise ValueError(f"precision={precision!r} is not one of {sorted(BYTES_PER_PARAM)} ('fp32' = CPU fp32 + "
+def model_state_bytes(plan: PlacementPlan, sizes: ModelSizes | Mapping[str, float], precision: str = "fp32",
+                      ranks_per_node: int | None = None) -> MemoryReport:
+    """Model-state bytes per rank of ``plan`` for models of ``sizes`` parameters.
+
+    ``ranks_per_node`` sets the intra group (``m``) of sharded roles whose strategy partitions at the I level;
+    ``None`` makes each role's ranks one group.
+    """
+    if precision not in STATE_BYTES:
+        raise ValueError(f"precision={precision!r} is not one of {sorted(STATE_BYTES)} ('fp32' = CPU fp32 + "
                          "Adam, 'bf16' = GPU bf16 mixed precision + Adam).")
     if not isinstance(sizes, ModelSizes):
         sizes = ModelSizes(**dict(sizes))
@@ -110,16 +128,8 @@ def model_state_bytes(plan: PlacementPlan, sizes: ModelSizes | Mapping[str, floa
     for role in ROLES:
         if role not in plan.roles:
             continue
-        ranks = plan.roles[role]
-        total = sizes.params(role) * _role_bytes_per_param(role, precision, sizes.lora_fraction)
-        if role in plan.sharded_roles:
-            if role == "rollout":  # the shadow actor is split inside each replica (tensor-parallel style)
-                per = total / (len(ranks) // plan.rollout_replicas)
-            else:
-                per = total / len(ranks)
-        else:
-            per = total
-        for r in ranks:
+        per = role_state_bytes(plan, role, sizes, precision, ranks_per_node)
+        for r in plan.roles[role]:
             per_rank[r][role] = per
     return MemoryReport(plan=plan, precision=precision, per_rank=per_rank)
 
@@ -148,14 +158,17 @@ class MemoryVerdict:
 
 
 def shard_verdict(plan: PlacementPlan, sizes: ModelSizes | Mapping[str, float], cap_bytes: float,
-                  precision: str = "fp32") -> MemoryVerdict:
-    """Check ``plan`` against a per-rank model-state cap; if it does not fit, try every role sharded."""
+                  precision: str = "fp32", ranks_per_node: int | None = None) -> MemoryVerdict:
+    """Check ``plan`` against a per-rank model-state cap; if it does not fit, try its four base models sharded
+    (ZeRO-3, ``"GGG"``) inside their rank groups (shadow models stay whole: the weight sync overwrites them)."""
     if not cap_bytes > 0:
         raise ValueError(f"cap_bytes must be positive, got {cap_bytes}.")
-    report = model_state_bytes(plan, sizes, precision)
+    report = model_state_bytes(plan, sizes, precision, ranks_per_node)
     sharded_plan = PlacementPlan(world_size=plan.world_size, roles=plan.roles, strategy=plan.strategy,
-                                 rollout_replicas=plan.rollout_replicas, sharded_roles=list(plan.roles))
-    sharded = model_state_bytes(sharded_plan, sizes, precision)
+                                 rollout_replicas=plan.rollout_replicas,
+                                 sharded_roles={**dict.fromkeys(BASE_ROLES, DEFAULT_SHARD_STRATEGY),
+                                                **plan.sharded_roles})
+    sharded = model_state_bytes(sharded_plan, sizes, precision, ranks_per_node)
     fits = report.max_bytes <= cap_bytes
     return MemoryVerdict(fits=fits, must_shard=not fits, fits_sharded=sharded.max_bytes <= cap_bytes,
                          report=report, sharded_report=sharded, cap_bytes=float(cap_bytes))

@@ -1,4 +1,4 @@
-"""Versioned trainer -> shadow weight sync (disaggregated RLHF, `rlhf_placement.md` §1.5 and §4.2.5).
+"""Versioned trainer -> shadow weight sync (disaggregated RLHF placement).
 
 Once per iteration, before generation, the trained actor (critic) pushes its weights to the shadow actor (critic)
 on the inference ranks. Two transports:
@@ -15,7 +15,7 @@ the same dtype and shape, and that the version increases (and equals ``expected_
 replayed sync is an error, never silently applied.
 
 ``param_filter`` selects what travels: ``"all"``, ``"trainable"`` (``requires_grad``), ``"lora"`` (names containing
-``lora_``; with PEFT only the adapters change, so only they need syncing, §4.7) or a callable ``(name, tensor) ->
+``lora_``; with PEFT only the adapters change, so only they need syncing) or a callable ``(name, tensor) ->
 bool``. The filter runs on the source; the destination applies whatever names the header lists.
 """
 

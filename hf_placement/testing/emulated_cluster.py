@@ -8,7 +8,7 @@ one in ``shared/docs/ARCHITECTURE.md``; it needs root (CAP_NET_ADMIN) and iprout
 
 Usage::
 
-    from emulated_cluster import EmulatedCluster
+    from hf_placement.testing.emulated_cluster import EmulatedCluster
 
     with EmulatedCluster(nodes=2, procs_per_node=2, inter_mbit=400) as cluster:
         print(cluster.measure_bandwidth())            # {"inter_mb_s": ..., "intra_mb_s": ..., "ratio": ...}
@@ -24,7 +24,8 @@ that exceeds its timeout raises :class:`ClusterRunError` naming the rank(s) and 
 the other ranks are killed, never left hanging. Namespaces are removed on exit (and stale ones left by a killed
 run are removed on the next start).
 
-Run ``python bench/emulated_cluster.py --inter-mbit 400`` to check the set-up and print measured bandwidths.
+Run ``python -m hf_placement.testing.emulated_cluster --inter-mbit 400`` to check the set-up and print measured
+bandwidths.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Micro-benchmarks that feed the planner's constants on this machine: links and parallel efficiency.
 
 - `measure_links`: latency and bandwidth of point-to-point sends, broadcasts and all-gathers between gloo ranks
-  (the ``α`` and ``β`` of the cost model). On loopback the three differ a lot (`rlhf_placement.md` §4.5 measured a
-  2 GB/s broadcast but 0.45 s for a 100 MB all-gather), so the planner's single ``β`` should come from the collective
-  that dominates the plan being priced.
+  (the ``α`` and ``β`` of the cost model). On loopback the three differ a lot (gloo's all-gather is far slower
+  per byte than its broadcast), so the planner's single ``β`` should come from the collective that dominates the
+  plan being priced.
 - `time_collectives` / `fit_links`: the same measurement inside ranks that are already running (the placement
   benchmark takes it between the strategies' iterations, so the constants see the host the runs see).
 - `parallel_efficiency`: throughput of ``n`` concurrent single-thread matmul loops relative to ``n`` times one loop.
-  The benchmark protocol (§4.5) states it before any comparison: on a shared or oversubscribed machine two processes
+  A benchmark states it before any comparison: on a shared or oversubscribed machine two processes
   do not get two cores, which biases wall-clock comparisons against schedules that keep every rank busy.
 
 Both are plain measurements: they print and return numbers, they assert nothing.
@@ -104,7 +104,7 @@ def measure_links(world_size: int = 2, sizes: Sequence[int] = (1 << 10, 1 << 20,
     For the all-gather and the reduce-scatter, bandwidth is ``(n-1)/n * total bytes / time``, the cost model's
     convention (``Hardware.link_bandwidth`` / ``Hardware.reduce_scatter_bandwidth``).
     """
-    from .testing import run_distributed
+    from ..testing import run_distributed
 
     if world_size < 2:
         raise ValueError(f"measuring links needs world_size >= 2, got {world_size}.")

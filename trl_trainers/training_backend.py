@@ -1,0 +1,87 @@
+"""The seam between the PPO update and whatever holds the trained weights: one gradient-sync path per engine.
+
+`PPOPhases.train_on_experience` runs the same loop whatever the engine: zero the gradients, run each micro-batch's
+backward inside `TrainingBackend.micro_step` (which tells the engine whether this is the accumulation boundary),
+then `TrainingBackend.step`. The engine decides how gradients are synchronised and where the optimizer state lives:
+
+- `ReplicatedBackend`: every training rank holds the full policy and value model (DDP's layout); gradients are
+  averaged with one flat all-reduce per optimizer step, in a fixed order;
+- `trl_trainers.placement.ParoBackend`: the models are sharded by `paro_zero_backend.ParoEngine` (any of the PaRO
+  strategies; ``"GGG"`` is ZeRO-3), which reduces gradients during backward and steps its optimizer on the shards.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._distributed import DistContext
+from .ppo_config import PPOConfig
+
+__all__ = ["ReplicatedBackend", "TrainingBackend", "adamw_factory"]
+
+
+def adamw_factory(args: PPOConfig):
+    """``fn(params_or_groups) -> AdamW`` with the config's hyper-parameters (TRL's default optimizer)."""
+
+    def make(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                                 eps=args.adam_epsilon, weight_decay=args.weight_decay)
+
+    return make
+
+
+class TrainingBackend(ABC):
+    """What the PPO update needs from the engine that trains policy + value model.
+
+    A backend implements: `optimizer` (the object LR schedulers act on), `zero_grad`, `micro_step` (a context for
+    one micro-batch's forward and backward; ``last=True`` marks the accumulation boundary), `step` (synchronise the
+    gradients if the engine has not already, update, clear) and `gathered` (a context in which the trained models
+    hold their full weights: a no-op unless the engine shards them; collective when it does).
+    """
+
+    optimizer: torch.optim.Optimizer
+
+    @abstractmethod
+    def zero_grad(self) -> None:
+        """Drop gradients accumulated so far."""
+
+    @abstractmethod
+    def micro_step(self, last: bool) -> AbstractContextManager[Any]:
+        """Context around one micro-batch's forward and backward."""
+
+    @abstractmethod
+    def step(self) -> None:
+        """Synchronise gradients over the training group, update the weights, clear the gradients."""
+
+    def gathered(self) -> AbstractContextManager[Any]:
+        """Full weights of the trained models inside the block."""
+        return nullcontext()
+
+
+class ReplicatedBackend(TrainingBackend):
+    """Full models on every training rank; one flat all-reduce of the gradients per optimizer step (DDP's result).
+
+    Why not DDP itself: the gradients are averaged once per optimizer step in one bucket and a fixed order, over an
+    explicit group (a disaggregated plan trains on a sub-group), which keeps every placement's update identical.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, dist: DistContext):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer, self.dist = optimizer, dist
+        dist.broadcast_module(model)  # identical start on every rank, as DDP guarantees
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def micro_step(self, last: bool) -> AbstractContextManager[Any]:
+        return nullcontext()
+
+    def step(self) -> None:
+        self.dist.average_gradients(self.params)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
