@@ -2,7 +2,8 @@
 worker-side Agent.
 
 Thresholds and windows are **our** parameters: the AntDT paper (arXiv 2404.09679) does not publish its values, so
-every one of them is a field here, with the default we measured to work on one CPU box.
+every one of them is a field here. The defaults are values that worked for a small job on one CPU host (see
+bench/antdt/README.md); treat them as starting points for your cluster.
 """
 
 from __future__ import annotations
@@ -227,11 +228,10 @@ class AgentConfig(_DictMixin):
             leased elsewhere before the iterable gives up with an error.
         ack_period_s (`float`, *optional*, defaults to 0.05): the Agent's ack sender wakes on its own clock at this
             period and sends the acks of every step since its last beat as one request. A step then only queues
-            its ack: waking the sender from the step's end made it compete for the GIL with the training thread's
-            Python work (a 4-rank job with `bench/antdt`'s settings on 2 cores: 3-8 ms stalls in up to 1 step in
-            10, 0.1-0.5 ms per step on average; with a 0.05 s beat 0.03-0.09 ms on average, at most 2 ms). Acks
-            (and plan changes) arrive at most one period plus one round trip late; checkpoints flush at once. 0
-            wakes the sender from every step.
+            its ack: waking the sender from the step's end makes it compete for the GIL with the training thread's
+            Python work and now and then stalls a step; on a beat of its own the sender keeps those stalls rare and
+            short (figures in bench/antdt/README.md). Acks (and plan changes) arrive at most one period plus one
+            round trip late; checkpoints flush at once. 0 wakes the sender from every step.
     """
 
     url: str | None = field(default=None, metadata={"help": "Service URL (default: $ANTDT_SERVICE_URL)."})

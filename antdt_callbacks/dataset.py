@@ -1,6 +1,6 @@
 """`ServiceIterableDataset`: an iterable over batches cut from shards leased from the sharding service.
 
-Design points (each one is a trap of Trainer/Accelerate dataloading, see the AntDT design notes):
+Design points (each one avoids a trap of Trainer/Accelerate dataloading):
 
 - **Batches, not samples.** The iterable yields whole per-rank batches of the *current* planned size, so a new batch
   size applies from the next fetch, in the middle of a shard if need be. Use it with ``DataLoader(batch_size=None,
@@ -429,7 +429,7 @@ class ServiceIterableDataset(IterableDataset):
         if not isinstance(batch, dict):
             raise TypeError(f"collate_fn must return a dict (Trainer inputs), got {type(batch).__name__}.")
         batch["antdt_meta"] = meta
-        # Where the data path's time goes (the benchmark's breakdown): blocked on leases, waiting for the
+        # Where the data path's time goes (bench/antdt's breakdown): blocked on leases, waiting for the
         # stop-together all-reduce, and the whole cut + resolve (the rest is cutting and collating).
         meta.wait_s = first.wait_s + wait_s
         meta.collective_s = coll_s

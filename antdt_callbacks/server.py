@@ -99,7 +99,9 @@ def _make_handler(service: ShardingService) -> type[BaseHTTPRequestHandler]:
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
-        disable_nagle_algorithm = True  # header and body go out as two writes; Nagle would add ~40 ms
+        # Header and body go out as two writes; Nagle would hold the body back until the client's delayed ACK
+        # (bench/antdt/README.md).
+        disable_nagle_algorithm = True
 
         def log_message(self, format: str, *args) -> None:  # noqa: A002 - stdlib signature
             logger.debug("antdt service: " + format, *args)

@@ -33,8 +33,9 @@ class MetaTrainingArguments(TrainingArguments):
         task_vmap (`bool`, *optional*, defaults to `True`): vectorise tasks with `torch.vmap`.
         meta_loss (`str`, *optional*, defaults to `"bce"`): `"bce"` for click labels, `"mse"` for ratings.
 
-    Practical advice: dense-only adaptation with 1-3 inner steps and `inner_lr` 0.1-1.0 is the MeLU regime; second
-    order costs ~2-3x first order per step.
+    Practical advice: dense-only adaptation with 1-3 inner steps and `inner_lr` 0.1-1.0 is the MeLU regime. Second
+    order also differentiates through the inner gradients, so its backward pass does more work and keeps the inner
+    loop's graph alive; set `first_order=True` when that cost matters more than the exact meta-gradient.
     """
 
     inner_lr: float = field(default=0.1, metadata={"help": "Inner-loop SGD step size (initial value if learnable)."})

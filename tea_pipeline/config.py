@@ -58,12 +58,14 @@ class LightTEAConfig:
             Rank of the principal subspace in which the top-k candidates are searched (the block products then
             cost ``candidate_dim / feature width`` of the full ones); the leading ``rescore_top`` candidates of each
             row are then re-scored in the full space. ``None`` searches the full space exactly, like the
-            reference (always so with ``reference_compat=True``). On YAGO-WIKI20K with 400 seeds, 512 keeps 87-98%
-            of the exact top-500 and the exact best candidate of 95-99% of the rows, per round (see ``bench/tea``).
+            reference (always so with ``reference_compat=True``). The subspace search is approximate: it can miss
+            part of the exact top-k and, less often, a row's exact best candidate. Set ``candidate_check_rows`` to
+            measure its recall on your data (figures for YAGO-WIKI20K: ``bench/tea/README.md``).
         rescore_top (`int`, *optional*, defaults to `64`):
             Candidates per row whose score is recomputed in the full space after the subspace search (fp32
-            arithmetic; when the search runs in bf16 the candidate rows are read as fp16, max abs score error ~4e-5);
-            at the Sinkhorn temperature of 0.02 they carry almost all of a row's mass.
+            arithmetic; when the search runs in bf16 the candidate rows are read as fp16, which halves the bytes of
+            this memory-bound gather at a small rounding error, see `lowrank_topk`); at the Sinkhorn temperature of
+            0.02 they carry almost all of a row's mass.
         matmul_precision (`str`, *optional*, defaults to `"auto"`):
             Dtype of the two large approximate products, the subspace candidate search and the triple view's random
             projections: ``"bfloat16"``, ``"float32"``, or ``"auto"`` (bf16 on CUDA and on CPUs that multiply bf16

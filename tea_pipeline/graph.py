@@ -131,9 +131,9 @@ def time_counts(pair: TKGPair, unknown_time_id: int | None, relation_id_quirk: b
 
 
 def sorted_unique(keys: np.ndarray, return_counts: bool = False, return_inverse: bool = False):
-    """``np.unique`` for integer keys by one sort. NumPy >= 2.3 hashes first: its ``_unique_hash`` took 2.4 s of
-    the 3.1 s graph build on YAGO-WIKI20K, which takes 0.75 s with this. Same results, same order; one optional
-    extra like np.unique."""
+    """``np.unique`` for integer keys by one sort. NumPy >= 2.3's ``np.unique`` hashes first (``_unique_hash``),
+    which is slower than a single sort for these int64 keys and dominated the graph build (bench/tea/README.md).
+    Same results, same order; one optional extra like np.unique."""
     if return_inverse:
         order = np.argsort(keys, kind="stable")
         ordered = keys[order]

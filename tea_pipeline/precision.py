@@ -2,10 +2,10 @@
 
 Two products dominate a LightTEA round: the candidate search in the principal subspace and the triple view's
 random projections ``E_bar P``. Both are approximations by design (the leading candidates are re-scored in full
-width; the projections are random). In bf16 with fp32 accumulation they ran 2.9x faster on AMX (486 vs 170 GFLOPS
-for a 2048 x 512 x 19,500 product) and moved YAGO-WIKI20K's final H@1 / H@10 from 0.6914 / 0.7226 to 0.6897 /
-0.7220 (``bench/tea``, same code otherwise). Where bf16 is not native (CPUs without AMX or AVX512-BF16) it is
-emulated and slower than fp32, so ``"auto"`` keeps fp32 there.
+width; the projections are random), so rounding their inputs to bf16 (fp32 accumulation) barely moves the
+alignment, while the products run much faster where bf16 is multiplied natively (CUDA, CPUs with AMX or
+AVX512-BF16); ``bench/tea/README.md`` has the measured speed and accuracy. Where bf16 is not native it is emulated
+and slower than fp32, so ``"auto"`` keeps fp32 there.
 """
 
 from __future__ import annotations

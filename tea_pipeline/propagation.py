@@ -51,7 +51,8 @@ def propagate(a_ee: torch.Tensor, aspect: AspectGraph, e0: torch.Tensor, steps: 
     """L steps of entity/aspect propagation; returns (E_bar N x (L+1)d, X_cat X x (L+1)d), both row-normalised."""
     e, x = e0, torch.zeros(aspect.num_nodes, e0.shape[1], device=e0.device)
     es, xs = [e], [x]
-    # CSR times a dense matrix beat coalesced COO 1.1-1.9x per product on YAGO-WIKI20K (a_ee @ e: 212 -> 113 ms).
+    # CSR times a dense matrix is faster than coalesced COO for these products (bench/tea/README.md): convert once
+    # here and reuse the CSR matrices in every step.
     a_ee, x_from_head, x_to_tail = (_csr(m) for m in (a_ee, aspect.x_from_head, aspect.x_to_tail))
     for _ in range(steps):
         x_new = l2n_(x_from_head @ e)  # aspect nodes gather from their head entities

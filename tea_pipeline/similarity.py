@@ -149,10 +149,10 @@ def exact_scores(left: torch.Tensor, right: torch.Tensor, index: torch.Tensor, r
     """``left[rows[i]] . right[index[i, c]]`` in the full space (rows default: all).
 
     Rows go in chunks that gather about ``gather_rows`` candidate rows of ``right`` at a time, so the gathered block
-    stays cache-resident for the batched product (gathering 4096 rows per chunk instead of 1024 ran 3.2x slower,
-    1.31 s -> 4.18 s for 19,500 x 32 pairs of 2720-wide rows). The gather is
-    memory-bound: ``right`` may be stored in a narrower dtype (fp16 halves the bytes); the gathered rows are widened
-    to ``left``'s dtype before the product, so only ``right``'s storage rounding enters the scores.
+    stays cache-resident for the batched product (much larger chunks fall out of cache and run several times slower,
+    see bench/tea/README.md). The gather is memory-bound: ``right`` may be stored in a narrower dtype (fp16 halves
+    the bytes); the gathered rows are widened to ``left``'s dtype before the product, so only ``right``'s storage
+    rounding enters the scores.
     """
     chunk = max(1, gather_rows // max(1, index.shape[1]))
     out = torch.empty(index.shape, dtype=left.dtype, device=left.device)
@@ -191,8 +191,9 @@ def lowrank_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: in
     Same interface as `blocked_topk`, whose search it runs on the projected features: the block products then cost
     ``rank / D`` of the full ones. With ``rank >= D`` and ``rescore >= k`` the result equals `blocked_topk` up to
     floating-point rounding. ``matmul_dtype`` (e.g. bf16) is used for the projections and the search; the
-    re-scoring then reads the candidate rows stored as fp16 (on unit-norm YAGO-WIKI20K features: max abs error
-    4e-5, mean 5e-6, i.e. at most 0.2% of a Sinkhorn weight at temperature 0.02) and computes in ``left``'s dtype.
+    re-scoring then reads the candidate rows stored as fp16 (the gather is memory-bound, so half the bytes; on
+    unit-norm features the rounding error this adds to a score is small next to the Sinkhorn temperature, see
+    bench/tea/README.md) and computes in ``left``'s dtype.
     """
     basis = principal_basis(left, right, rank, generator, matmul_dtype=matmul_dtype)
     low = matmul_dtype is not None and matmul_dtype != left.dtype
