@@ -1,15 +1,18 @@
 """`ParoAccelerator`: an `accelerate.Accelerator` that trains the model with the PaRO-DP engine instead of DDP.
 
 Accelerate has no registration point for a custom engine (closed `DistributedType` enum, fixed kwargs handlers), so
-this subclass uses the duck-typed seams it does have (``paro.md`` §9):
-- ``prepare`` builds `paro_zero_backend.ParoEngine` from the model *and* its optimizer (the engine rebuilds the
-  optimizer over its shards) and returns the engine as the model plus a proxy optimizer whose ``step`` runs the
+this subclass uses the duck-typed seams it does have:
+- ``prepare`` resolves ``strategy="auto"`` (`paro_zero_backend.resolve_strategy`, the guideline on the real model,
+  with measured bandwidths unless given; the table is kept as ``paro_guideline``), builds
+  `paro_zero_backend.ParoEngine` from the model *and* its optimizer (the engine rebuilds the optimizer over its
+  shards) and returns the engine as the model plus a proxy optimizer whose ``step`` runs the
   engine's step (optimizer update + parameter sync). Dataloaders and schedulers go through the normal path.
 - the accumulation boundary: ``Accelerator.no_sync(model)`` / ``accumulate()`` call ``model.no_sync()``, which the
   engine implements as "not the boundary" (per-micro-step reductions of g=I/G still run);
 - ``backward`` divides the loss by the accumulation steps like Accelerate, and the engine averages over the ``n``
   ranks (sum, then divide by n), which is exactly DDP's gradient;
-- ``clip_grad_norm_``, ``get_state_dict`` / ``save_model`` (collective: full weights on every rank), and
+- ``clip_grad_norm_``, ``summon_full_params`` (the engine's ``gathered()``: one gather for a whole ``generate``),
+  ``get_state_dict`` / ``save_model`` (collective: full weights on every rank), and
   ``save_state`` / ``load_state`` (the engine's per-rank sharded checkpoint + Accelerate's own RNG/scheduler files).
 """
 
@@ -27,7 +30,7 @@ from accelerate.utils import DistributedType
 from torch import nn
 from transformers.utils import logging
 
-from paro_zero_backend import ParoEngine
+from paro_zero_backend import GuidelineTable, ParoEngine, resolve_strategy
 
 from .paro_plugin import ParoPlugin
 
@@ -152,12 +155,18 @@ class ParoAccelerator(Accelerator):
         # Checks group_size against the launch now (not at prepare): a clear error before any model work.
         self.paro_plugin.to_paro_config().resolve_group_size(self.num_processes)
         self.paro_engine: ParoEngine | None = None
+        self.paro_guideline: GuidelineTable | None = None  # the table behind strategy="auto", set by prepare()
 
     # ----------------------------------------------------------------------------------------------- prepare
-    def _paro_config(self):
+    def _paro_config(self, model: nn.Module):
+        """The plugin's settings under this accelerator, with ``strategy="auto"`` resolved for ``model``
+        (collective: every rank measures the links the guideline needs, unless the plugin gives them)."""
         mp = self.mixed_precision if self.mixed_precision in ("bf16", "fp16") else "no"
-        return self.paro_plugin.to_paro_config(mixed_precision=mp,
-                                               gradient_accumulation_steps=self.gradient_accumulation_steps)
+        config = self.paro_plugin.to_paro_config(mixed_precision=mp,
+                                                 gradient_accumulation_steps=self.gradient_accumulation_steps)
+        resolved = resolve_strategy(config, model)
+        self.paro_guideline = resolved.guideline
+        return resolved.config
 
     def prepare(self, *args: Any, device_placement=None):
         """Models and optimizers pair up into one `ParoEngine` (exactly one of each, or an already built engine);
@@ -176,7 +185,7 @@ class ParoAccelerator(Accelerator):
             if isinstance(optimizer, AcceleratedOptimizer):
                 optimizer = optimizer.optimizer
             model = model.to(self.device)
-            engine = ParoEngine(model, optimizer, self._paro_config())
+            engine = ParoEngine(model, optimizer, self._paro_config(model))
             self.paro_engine = engine
             wrapped = AcceleratedOptimizer(ParoOptimizer(engine, optimizer), device_placement=False, scaler=None)
             self._models.append(engine)
@@ -201,7 +210,7 @@ class ParoAccelerator(Accelerator):
 
     # --------------------------------------------------------------------------------------------- training
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """Divide by the accumulation steps (as Accelerate does); the engine averages over ranks (paro.md §11)."""
+        """Divide by the accumulation steps (as Accelerate does); the engine averages over ranks (sum, then / n)."""
         if self.paro_engine is None:
             return super().backward(loss, **kwargs)
         if kwargs.get("learning_rate") is not None:
@@ -225,19 +234,20 @@ class ParoAccelerator(Accelerator):
         return self.paro_engine.clip_grad_norm_(float(max_norm), norm_type)
 
     def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
-        """The user's module. Under PaRO its parameters are only materialised inside ``summon_full_params``; use
-        `get_state_dict` for the weights."""
+        """The user's module. Under a strategy that partitions parameters they are only materialised inside
+        ``summon_full_params``; use `get_state_dict` for the weights."""
         if isinstance(model, ParoEngine):
             return model.module
         return super().unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper, keep_torch_compile=keep_torch_compile)
 
     @contextlib.contextmanager
     def summon_full_params(self, model=None) -> Iterator[None]:
-        """Collective: full working parameters inside the block (e.g. for ``generate`` or inspection)."""
+        """Collective: full working parameters inside the block (e.g. for ``generate`` or inspection): one gather
+        at entry, none per layer while inside (the engine's ``gathered()``)."""
         engine = self._engine_of(model)
         if engine is None:
             raise ValueError("summon_full_params needs a model prepared by this ParoAccelerator.")
-        with engine.summon_full_params():
+        with engine.gathered():
             yield
 
     # ----------------------------------------------------------------------------------------------- weights

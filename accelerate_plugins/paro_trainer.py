@@ -1,6 +1,6 @@
 """`ParoTrainer`: `transformers.Trainer` trained by the PaRO-DP engine through `ParoAccelerator`.
 
-Only the seams that must change are overridden (``paro.md`` §9):
+Only the seams that must change are overridden:
 - ``create_accelerator_and_postprocess``: the accelerator is a `ParoAccelerator` built from the same arguments
   Trainer builds for `Accelerator` (dataloader config, accumulation plugin, mixed precision, ...). Trainer's own
   accumulation loop then works unchanged: non-boundary micro-steps run inside ``accelerator.no_sync(model)``, which is

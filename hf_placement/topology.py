@@ -6,7 +6,8 @@ things: a validated layout of ranks into groups, process groups created once and
 and a timeout on every group so that a stalled rank becomes an error.
 
 Layout used throughout (PaRO paper App. A.1.2): ``n`` ranks form ``ng = n / m`` groups of ``m`` consecutive ranks.
-Rank ``r`` is device ``j = r % m`` of group ``i = r // m``.
+Rank ``r`` is device ``j = r % m`` of group ``i = r // m``. A topology may cover a subset of the world (the ranks of one
+model in a placement plan): ``r`` is then the index of the rank among the topology's sorted ``ranks``.
 
 - intra group ``i``: ranks ``[i*m, ..., i*m + m - 1]`` (one node, fast links);
 - inter group ``j``: ranks ``[j, j + m, ..., j + (ng-1)*m]`` (same local index on every node; PaRO's "E" groups).
@@ -95,13 +96,32 @@ def new_process_groups(rank_lists: Sequence[Sequence[int]], timeout_s: float = D
 
 @dataclass
 class Topology:
-    """This rank's view of a two-level layout with its process groups (created by `build_topology`)."""
+    """This rank's view of a two-level layout over a set of ranks, with its process groups (see `build_topology`).
+
+    ``ranks`` are the global ranks the layout covers (the whole world, or a sub-group such as the ranks of one model
+    of a placement plan); ``rank`` is this process's index in ``ranks`` (``-1`` on a non-member, whose groups are
+    ``None``). Everything that runs on the topology (engines, collectives) uses ``rank``, ``world_size`` and
+    ``world_group``, never the default group, so several topologies can run side by side.
+    """
 
     layout: GroupLayout
     rank: int
     intra_group: dist.ProcessGroup | None = field(repr=False)
     inter_group: dist.ProcessGroup | None = field(repr=False)
     world_group: dist.ProcessGroup | None = field(repr=False)
+    ranks: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.ranks:
+            self.ranks = tuple(range(self.layout.world_size))
+        if len(self.ranks) != self.layout.world_size:
+            raise ValueError(f"Topology over ranks {list(self.ranks)} needs a layout of {len(self.ranks)} ranks, got "
+                             f"world_size={self.layout.world_size}.")
+
+    @property
+    def is_member(self) -> bool:
+        """Whether this process is one of ``ranks`` (non-members hold no groups and cannot run on the topology)."""
+        return self.rank >= 0
 
     @property
     def world_size(self) -> int:
@@ -117,44 +137,85 @@ class Topology:
 
     @property
     def group_index(self) -> int:
-        return self.layout.group_index(self.rank)
+        return self.layout.group_index(self._member_rank())
 
     @property
     def local_index(self) -> int:
-        return self.layout.local_index(self.rank)
+        return self.layout.local_index(self._member_rank())
+
+    def global_rank(self, local_index: int) -> int:
+        """The global rank of member ``local_index`` (``ranks[local_index]``): what ``src=`` / ``dst=`` of a
+        ``torch.distributed`` call over ``world_group`` expect."""
+        if not 0 <= local_index < len(self.ranks):
+            raise ValueError(f"member index {local_index} is outside the topology's {len(self.ranks)} ranks "
+                             f"{list(self.ranks)}.")
+        return self.ranks[local_index]
+
+    def _member_rank(self) -> int:
+        if not self.is_member:
+            raise ValueError(f"this process is not a member of the topology over ranks {list(self.ranks)}: it has no "
+                             "group index. Check topology.is_member before using it.")
+        return self.rank
 
 
-_TOPOLOGY_CACHE: dict[tuple[int, int, int], Topology] = {}
+_TOPOLOGY_CACHE: dict[tuple[int, int, tuple[int, ...], int], Topology] = {}
 
 
-def build_topology(group_size: int | None = None, timeout_s: float = DEFAULT_GROUP_TIMEOUT_S) -> Topology:
-    """Build (once per process-group lifetime) the intra/inter groups for ``group_size`` ranks per group.
+def _check_ranks(ranks: Sequence[int], world: int) -> tuple[int, ...]:
+    out = tuple(int(r) for r in ranks)
+    if not out or any(not 0 <= r < world for r in out) or any(a >= b for a, b in zip(out, out[1:])):
+        raise ValueError(f"ranks={list(ranks)} must be a non-empty, strictly increasing list of global ranks in "
+                         f"[0, {world}); pass sorted(set(ranks)).")
+    return out
 
-    ``group_size`` defaults to ``LOCAL_WORLD_SIZE`` (ranks per node, set by torchrun / accelerate launch). Every rank
-    must call this with the same arguments, since group creation is collective.
+
+def build_topology(group_size: int | None = None, timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
+                   ranks: Sequence[int] | None = None) -> Topology:
+    """Build (once per process-group lifetime) the groups of a two-level layout over ``ranks``.
+
+    Args:
+        group_size (`int`, *optional*): members per intra group (consecutive members, usually ranks per node).
+            Defaults to ``LOCAL_WORLD_SIZE`` (set by torchrun / accelerate launch) clipped to the number of members.
+        timeout_s (`float`, *optional*, defaults to `600.0`): timeout of every group created.
+        ranks (`list[int]`, *optional*): sorted global ranks the layout covers; ``None`` = the whole world, whose
+            ``world_group`` is the default group. For a subset a group over the members is created as well.
+
+    Collective: every rank of the world calls this with the same arguments, in the same order relative to other
+    topologies (``new_group`` is a collective over the whole world). Members get ``Topology(rank=<index in ranks>,
+    ranks=tuple(ranks))``; other ranks get a topology whose ``is_member`` is False and whose groups are None.
     """
     import os
 
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: call init_process_group first.")
     world = dist.get_world_size()
+    members = tuple(range(world)) if ranks is None else _check_ranks(ranks, world)
+    whole = members == tuple(range(world))
     if group_size is None:
-        group_size = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    layout = GroupLayout(world, int(group_size))
-    key = (id(dist.group.WORLD), world, layout.group_size)
+        group_size = min(int(os.environ.get("LOCAL_WORLD_SIZE", len(members))), len(members))
+    if whole:
+        layout = GroupLayout(world, int(group_size))
+    elif group_size < 1 or len(members) % group_size:
+        raise ValueError(f"group_size={group_size} does not divide the {len(members)} ranks {list(members)} of the "
+                         f"topology: choose one of {_divisors(len(members))} (members per intra group).")
+    else:
+        layout = GroupLayout(len(members), int(group_size))
+    key = (id(dist.group.WORLD), world, members, layout.group_size)
     cached = _TOPOLOGY_CACHE.get(key)
     if cached is not None:
         return cached
-    rank = dist.get_rank()
-    # Fixed order on every rank: all intra groups, then all inter groups.
-    intra = new_process_groups([layout.intra_ranks(i) for i in range(layout.num_groups)], timeout_s)
-    inter = new_process_groups([layout.inter_ranks(j) for j in range(layout.group_size)], timeout_s)
-    topo = Topology(
-        layout=layout,
-        rank=rank,
-        intra_group=intra[layout.group_index(rank)],
-        inter_group=inter[layout.local_index(rank)],
-        world_group=dist.group.WORLD,
-    )
+    me = dist.get_rank()
+    # Fixed order on every rank: the members' group (subsets only), all intra groups, then all inter groups.
+    world_group = dist.group.WORLD if whole else new_process_groups([members], timeout_s)[0]
+    intra = new_process_groups([[members[r] for r in layout.intra_ranks(i)] for i in range(layout.num_groups)],
+                               timeout_s)
+    inter = new_process_groups([[members[r] for r in layout.inter_ranks(j)] for j in range(layout.group_size)],
+                               timeout_s)
+    if me in members:
+        rank = members.index(me)
+        topo = Topology(layout=layout, rank=rank, intra_group=intra[layout.group_index(rank)],
+                        inter_group=inter[layout.local_index(rank)], world_group=world_group, ranks=members)
+    else:
+        topo = Topology(layout=layout, rank=-1, intra_group=None, inter_group=None, world_group=None, ranks=members)
     _TOPOLOGY_CACHE[key] = topo
     return topo

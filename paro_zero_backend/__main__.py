@@ -1,27 +1,18 @@
-"""``python -m paro_zero_backend advise ...`` (the PaRO guideline) and ``... launch ...`` (``accelerate launch`` with a
-PaRO settings file).
+"""``python -m paro_zero_backend advise ...``: the PaRO guideline from the command line.
 
 Example (the paper's cluster: 4 nodes x 8 GPUs, NVLink 2000 Gbit/s, RoCE 80 Gbit/s per GPU, 10 micro-steps):
 
     python -m paro_zero_backend advise --num-params 7e9 --world-size 32 --group-size 8 \\
         --intra-gbps 2000 --inter-gbps 80 --accumulation-steps 10 --device-memory-gb 80 --working-memory-gb 50
 
-Launch an unchanged Accelerate/Trainer script on the PaRO engine, keeping the ordinary Accelerate config file
-(``paro`` is the console-script name of this CLI):
-
-    paro launch --paro-config paro.yaml -- --config_file acc.yaml train.py --lr 1e-4
-
-The PaRO file is checked first (unknown keys, bad values), then ``PARO_CONFIG_FILE`` (and ``PARO_<FIELD>`` for each
-``--set FIELD=VALUE``) is exported and ``accelerate launch`` runs with everything after ``--``. PaRO keys cannot go
-into the Accelerate YAML: ``accelerate launch`` rejects unknown keys.
+Launching a training script on the engine is an integration's job: ``paro launch`` (the console script) or
+``python -m accelerate_plugins launch`` runs ``accelerate launch`` with a PaRO settings file.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from collections.abc import Sequence
 
@@ -41,7 +32,9 @@ def count_params_from_hf_config(path: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m paro_zero_backend",
-                                     description="PaRO-DP tools (NeurIPS 2024 Partial Redundancy Optimizer).")
+                                     description="PaRO-DP tools (NeurIPS 2024 Partial Redundancy Optimizer).",
+                                     epilog="`launch` lives in the Accelerate integration: `paro launch --help` or "
+                                            "`python -m accelerate_plugins launch --help`.")
     sub = parser.add_subparsers(dest="command", required=True)
     a = sub.add_parser("advise", help="rank the 14 PaRO strategies by predicted step time and memory",
                        description="Rank the 14 PaRO strategies with the paper's cost model: T = max(t_comm, "
@@ -76,57 +69,19 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--no-paro-cc", action="store_true", help="model flat-ring global collectives instead of PaRO-CC")
     a.add_argument("--strategies", nargs="+", help="only rank these strategies")
     a.add_argument("--json", action="store_true", help="print the table as JSON")
-    lp = sub.add_parser("launch", help="run `accelerate launch` with a PaRO settings file (ParoAccelerator/Trainer)",
-                        description="Check a PaRO YAML/JSON file, export PARO_CONFIG_FILE (read by "
-                                    "accelerate_plugins.ParoPlugin in every worker) and run `accelerate launch` with "
-                                    "the arguments after `--` (config file, script, script arguments).",
-                        epilog="example: paro launch --paro-config paro.yaml -- --config_file acc.yaml train.py")
-    lp.add_argument("--paro-config", required=True, help="PaRO settings (YAML or JSON; keys of ParoPlugin)")
-    lp.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                    help="override one field (exported as PARO_<FIELD>), e.g. --set strategy=NIG; repeatable")
-    lp.add_argument("--dry-run", action="store_true", help="print the command and environment, do not run it")
-    lp.add_argument("accelerate_args", nargs=argparse.REMAINDER,
-                    help="`--` then the arguments of `accelerate launch` (e.g. --config_file acc.yaml train.py ...)")
     return parser
 
 
-def launch(args: argparse.Namespace) -> int:
-    """Validate the PaRO file and overrides exactly as the workers will read them, then run accelerate launch."""
-    try:
-        from accelerate_plugins.paro_plugin import CONFIG_FILE_ENV, ENV_PREFIX, ParoPlugin
-    except ImportError as exc:  # the Accelerate integration is a separate package of this project
-        raise SystemExit(f"error: `launch` needs accelerate_plugins and accelerate ({exc}); install them.") from None
-    rest = list(args.accelerate_args)
-    if rest and rest[0] == "--":
-        rest = rest[1:]
-    if not rest:
-        raise SystemExit("error: nothing to launch: put the `accelerate launch` arguments after `--`, e.g. "
-                         "`paro launch --paro-config paro.yaml -- --config_file acc.yaml train.py`.")
-    env = dict(os.environ)
-    env[CONFIG_FILE_ENV] = os.path.abspath(args.paro_config)
-    for item in args.set:
-        field, sep, value = item.partition("=")
-        if not sep or field.strip().lower() not in ParoPlugin.field_names():
-            raise SystemExit(f"error: --set {item!r}: expected FIELD=VALUE with FIELD one of "
-                             f"{ParoPlugin.field_names()}.")
-        env[f"{ENV_PREFIX}{field.strip().upper()}"] = value
-    try:
-        plugin = ParoPlugin.from_env(env)  # the same path every worker takes: file, then variables
-    except (ValueError, FileNotFoundError) as exc:
-        raise SystemExit(f"error: {exc}") from None
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *rest]
-    paro_env = {k: v for k, v in env.items() if k.startswith(ENV_PREFIX)}
-    print(f"paro launch: {plugin.strategy} ({json.dumps(paro_env)}); running: accelerate launch {' '.join(rest)}",
-          flush=True)
-    if args.dry_run:
-        return 0
-    return subprocess.run(cmd, env=env).returncode
+LAUNCH_MOVED = ("error: `launch` moved to the Accelerate integration (engines do not import integrations): run "
+                "`paro launch ...` or `python -m accelerate_plugins launch ...` with the same arguments.")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["launch"]:
+        print(LAUNCH_MOVED, file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
-    if args.command == "launch":
-        return launch(args)
     num_params = args.num_params if args.num_params is not None else count_params_from_hf_config(args.hf_config)
     if not 0 < args.trainable_fraction <= 1:
         raise SystemExit(f"--trainable-fraction={args.trainable_fraction} must be in (0, 1].")

@@ -1,22 +1,22 @@
 """Flat padded buckets: which parameters travel together, and where each one lives in the flat buffer.
 
-Parameters are grouped into *units* (the modules whose parameters are gathered and released together: the root and
-every child of an ``nn.ModuleList`` by default), then into buckets of at most ``bucket_size`` elements per unit,
-with frozen and trainable parameters in separate buckets (p-level gathers cover every parameter, gradient/os/sync_p
-work only covers trainable ones, paper §11). Each bucket is padded to a multiple of the world size ``n`` so that
-every level (1, 1/m, 1/n) is an equal, contiguous slice in the device-major layout (see ``collectives``).
+Parameters are grouped into *units* (the modules whose parameters are gathered and released together: the root, every
+child of an ``nn.ModuleList`` by default, and the caller's extra units), then into buckets of at most ``bucket_size``
+elements per unit, with frozen and trainable parameters in separate buckets (p-level gathers cover every parameter,
+gradient/os/sync_p work only covers trainable ones, paper §11). Each bucket is padded to a multiple of the world size
+``n`` so that every level (1, 1/m, 1/n) is an equal, contiguous slice in the device-major layout
+(`schedule.slice_range`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from .strategies import Level
-
-__all__ = ["ParamSlot", "Bucket", "build_units", "build_buckets", "level_range"]
+__all__ = ["ParamSlot", "Bucket", "build_units", "build_buckets"]
 
 
 @dataclass
@@ -47,6 +47,7 @@ class Bucket:
     master_grad: torch.Tensor | None = None  # fp32 os-level reduced gradient (after sync_g)
     arrived: int = 0
     reduced: bool = False
+    pins: int = 0  # open ParoEngine.gathered() blocks holding this bucket's full working copy
     pieces: list[tuple[ParamSlot, int, int, torch.Tensor]] = field(default_factory=list)
 
     @property
@@ -54,21 +55,7 @@ class Bucket:
         return sum(1 for s in self.slots if s.trainable)
 
 
-def level_range(level: Level, size: int, world_size: int, group_size: int, rank: int) -> tuple[int, int]:
-    """Half-open range ``[lo, hi)`` of a padded flat buffer held by ``rank`` at ``level`` (device-major layout)."""
-    if level == Level.N:
-        return 0, size
-    ng = world_size // group_size
-    i, j = rank // group_size, rank % group_size
-    if level == Level.I:
-        c = size // group_size
-        return j * c, (j + 1) * c
-    b = size // world_size
-    k = j * ng + i
-    return k * b, (k + 1) * b
-
-
-def _unit_modules(model: nn.Module, class_names: list[str] | None) -> list[nn.Module]:
+def _unit_modules(model: nn.Module, class_names: list[str] | None, extra: Sequence[nn.Module]) -> list[nn.Module]:
     units: list[nn.Module] = [model]
     for module in model.modules():
         if module is model:
@@ -77,17 +64,27 @@ def _unit_modules(model: nn.Module, class_names: list[str] | None) -> list[nn.Mo
             if type(module).__name__ in class_names:
                 units.append(module)
         elif isinstance(module, nn.ModuleList):
-            units.extend(child for child in module.children() if child not in units)
+            units.extend(child for child in module.children() if all(child is not u for u in units))
+    members = {id(m) for m in model.modules()}
+    for module in extra:
+        if id(module) not in members:
+            raise ValueError(f"extra_units holds a {type(module).__name__} that is not a submodule of the model; pass "
+                             "modules of the wrapped model (e.g. model.policy, model.value_model.score).")
+        if all(module is not u for u in units):
+            units.append(module)
     return units
 
 
-def build_units(model: nn.Module, class_names: list[str] | None) -> tuple[list[nn.Module], dict[int, int]]:
+def build_units(model: nn.Module, class_names: list[str] | None, extra: Sequence[nn.Module] = ()
+                ) -> tuple[list[nn.Module], dict[int, int]]:
     """Units and, for each parameter id, the index of the unit that gathers it.
 
-    A parameter is owned by the innermost unit around the module that holds it; a parameter held by modules of
+    Units: the root, then the children of every ``nn.ModuleList`` (``class_names=None``) or the modules of the named
+    classes (``[]``: none), then ``extra`` (modules called directly, whose forward gathers their own parameters). A
+    parameter is owned by the innermost unit around the module that holds it; a parameter held by modules of
     different units (tied embeddings) goes to the root, which stays gathered for the whole forward and backward.
     """
-    units = _unit_modules(model, class_names)
+    units = _unit_modules(model, class_names, extra)
     unit_of_module: dict[int, int] = {}
 
     def visit(module: nn.Module, current: int) -> None:

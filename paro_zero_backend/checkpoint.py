@@ -19,10 +19,10 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from .strategies import Level
+from .engine import LocalState
 
 if TYPE_CHECKING:
-    from .engine import ParoEngine
+    from .engine import ParoEngine, ShardPiece
 
 __all__ = ["save_sharded", "load_sharded", "save_consolidated", "load_consolidated", "model_fingerprint"]
 
@@ -75,19 +75,16 @@ def _optimizer_tensors(engine: ParoEngine) -> tuple[dict[str, torch.Tensor], dic
 
 
 def save_sharded(engine: ParoEngine, directory: str) -> None:
-    if engine._micro_steps != 0 or engine._grads_ready:
+    if not engine.at_step_boundary:
         raise RuntimeError("save_sharded must be called at an optimizer-step boundary (after engine.step()), not in "
                            "the middle of gradient accumulation.")
     os.makedirs(directory, exist_ok=True)
-    tensors: dict[str, torch.Tensor] = {}
-    for b in engine.buckets:
-        tensors[f"bucket{b.index}.param"] = b.p_store
-        if b.trainable:
-            tensors[f"bucket{b.index}.master"] = b.master
-    opt_tensors, opt_meta = _optimizer_tensors(engine)
-    tensors.update(opt_tensors)
-    meta = {"optimizer": opt_meta, "global_step": engine.global_step, "loss_scale": engine.loss_scale,
-            "good_steps": engine._good_steps, "skipped_steps": engine.skipped_steps}
+    local = engine.local_state()
+    tensors = dict(local.tensors)
+    meta: dict[str, Any] = dict(local.counters)
+    if engine.optimizer is not None:
+        opt_tensors, meta["optimizer"] = _optimizer_tensors(engine)
+        tensors.update(opt_tensors)
     save_file({k: v.contiguous() for k, v in tensors.items()},
               os.path.join(directory, _shard_file(engine.rank, engine.world_size)),
               metadata={"paro": json.dumps(meta, default=_json_default)})
@@ -95,7 +92,7 @@ def save_sharded(engine: ParoEngine, directory: str) -> None:
         with open(os.path.join(directory, META_FILE), "w") as f:
             json.dump({"format": "paro-sharded-v1", "model": model_fingerprint(engine),
                        "topology": _topology_meta(engine), "config": engine.config.to_dict()}, f, indent=1)
-    dist.barrier()
+    dist.barrier(group=engine.topology.world_group)
 
 
 def _json_default(value: Any) -> Any:
@@ -130,84 +127,67 @@ def load_sharded(engine: ParoEngine, directory: str) -> None:
     tensors = load_file(path)
     with safe_open(path, framework="pt") as f:
         extra = json.loads(f.metadata()["paro"])
-    for b in engine.buckets:
-        b.p_store.copy_(tensors[f"bucket{b.index}.param"])
-        if b.trainable:
-            b.master.copy_(tensors[f"bucket{b.index}.master"])
-    state: dict[int, dict[str, Any]] = {}
-    for key, value in tensors.items():
-        if key.startswith("optim."):
-            _, idx, name = key.split(".", 2)
+    if engine.optimizer is not None:
+        state: dict[int, dict[str, Any]] = {}
+        for key, value in tensors.items():
+            if key.startswith("optim."):
+                _, idx, name = key.split(".", 2)
+                state.setdefault(int(idx), {})[name] = value
+        for key, value in extra["optimizer"]["plain_state"].items():
+            idx, name = key.split(".", 1)
             state.setdefault(int(idx), {})[name] = value
-    for key, value in extra["optimizer"]["plain_state"].items():
-        idx, name = key.split(".", 1)
-        state.setdefault(int(idx), {})[name] = value
-    engine.optimizer.load_state_dict({"state": state, "param_groups": extra["optimizer"]["param_groups"]})
-    engine.global_step = extra["global_step"]
-    engine.loss_scale = extra["loss_scale"]
-    engine._good_steps = extra["good_steps"]
-    engine.skipped_steps = extra["skipped_steps"]
-    _refresh_working_params(engine)
-    dist.barrier()
-
-
-def _refresh_working_params(engine: ParoEngine) -> None:
-    for b in engine.buckets:
-        if engine.strategy.p == Level.N:
-            b.full = b.p_store
-            engine._point_params(b)
-        else:
-            engine._release(b)
+        engine.optimizer.load_state_dict({"state": state, "param_groups": extra["optimizer"]["param_groups"]})
+    counters = {k: extra[k] for k in ("global_step", "loss_scale", "good_steps", "skipped_steps")}
+    engine.load_local_state(LocalState({k: v for k, v in tensors.items() if k.startswith("bucket")}, counters))
+    dist.barrier(group=engine.topology.world_group)
 
 
 # --- consolidated --------------------------------------------------------------------------------------------
 def _consolidated_optimizer(engine: ParoEngine) -> dict[str, torch.Tensor]:
     """Full per-parameter optimizer state (elementwise states gathered, scalar states such as ``step`` kept)."""
-    st = engine.strategy
-    out: dict[str, torch.Tensor] = {}
-    keys: set[str] = set()
-    for state in engine.optimizer.state.values():
-        keys.update(k for k, v in state.items() if isinstance(v, torch.Tensor))
-    keys_list = sorted(keys)
+    group = engine.topology.world_group
+    pieces = engine.shard_pieces()
+    state_of = {id(p.tensor): engine.optimizer.state.get(p.tensor, {}) for p in pieces}
+    local_keys = {k for st in state_of.values() for k, v in st.items() if isinstance(v, torch.Tensor)}
     # Every rank must run the same gathers: agree on the key set (ranks without pieces see no state).
     agreed: list[Any] = [None] * engine.world_size
-    dist.all_gather_object(agreed, keys_list)
-    keys_list = sorted(set().union(*[set(k) for k in agreed]))
-    with engine._uncounted():
-        for b in engine.buckets:
-            if not b.trainable:
-                continue
-            lo, _ = engine._range(st.os, b)
-            for key in keys_list:
-                flat = torch.zeros(b.master.numel(), dtype=torch.float32)
-                scalars = torch.full((len(b.slots),), float("-inf"), dtype=torch.float64)
-                position = {id(slot): k for k, slot in enumerate(b.slots)}
-                for slot, a, z, piece in b.pieces:
-                    value = engine.optimizer.state.get(piece, {}).get(key)
-                    if value is None:
-                        continue
-                    if value.dim() == 0:
-                        scalars[position[id(slot)]] = float(value)
-                    elif value.numel() == piece.numel():
-                        flat[a - lo:z - lo].copy_(value.reshape(-1))
-                    else:
-                        raise NotImplementedError(
-                            f"optimizer state {key!r} has shape {tuple(value.shape)} for a shard of {piece.numel()} "
-                            "elements: only elementwise optimizer states (Adam, AdamW, SGD momentum, ...) can be "
-                            "consolidated. Use save_consolidated(include_optimizer=False) or sharded checkpoints.")
-                full = engine._gather_level(flat, st.os)
-                dist.all_reduce(scalars, op=dist.ReduceOp.MAX)
-                for k, slot in enumerate(b.slots):
-                    if torch.isfinite(scalars[k]):
-                        out[f"{slot.name}::{key}"] = torch.tensor(float(scalars[k]), dtype=torch.float32)
-                    else:
-                        out[f"{slot.name}::{key}"] = full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+    dist.all_gather_object(agreed, sorted(local_keys), group=group)
+    keys = sorted(set().union(*[set(k) for k in agreed]))
+    out: dict[str, torch.Tensor] = {}
+    scalars: dict[str, float] = {}
+    for key in keys:
+        def elementwise(piece: ShardPiece, key: str = key) -> torch.Tensor | None:
+            value = state_of[id(piece.tensor)].get(key)
+            if value is None:
+                return None
+            if value.dim() == 0:
+                name = f"{piece.name}::{key}"
+                scalars[name] = max(scalars.get(name, float("-inf")), float(value))
+                return None
+            if value.numel() != piece.tensor.numel():
+                raise NotImplementedError(
+                    f"optimizer state {key!r} has shape {tuple(value.shape)} for a shard of {piece.tensor.numel()} "
+                    "elements: only elementwise optimizer states (Adam, AdamW, SGD momentum, ...) can be "
+                    "consolidated. Use save_consolidated(include_optimizer=False) or sharded checkpoints.")
+            return value
+
+        for name, full in engine.full_values(elementwise):
+            out[f"{name}::{key}"] = full.clone()
+    # A scalar state (Adam's ``step``) is the same on every piece of a parameter; ranks without a piece have none.
+    every: list[Any] = [None] * engine.world_size
+    dist.all_gather_object(every, scalars, group=group)
+    merged: dict[str, float] = {}
+    for part in every:
+        for name, v in part.items():
+            merged[name] = max(merged.get(name, float("-inf")), v)
+    for name, v in merged.items():
+        out[name] = torch.tensor(v, dtype=torch.float32)
     return out
 
 
 def save_consolidated(engine: ParoEngine, directory: str, include_optimizer: bool = True) -> None:
     weights = engine.consolidated_state_dict(dtype=torch.float32)
-    optim = _consolidated_optimizer(engine) if include_optimizer else None
+    optim = _consolidated_optimizer(engine) if include_optimizer and engine.optimizer is not None else None
     if engine.rank == 0:
         os.makedirs(directory, exist_ok=True)
         save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(directory, MODEL_FILE),
@@ -223,7 +203,7 @@ def save_consolidated(engine: ParoEngine, directory: str, include_optimizer: boo
                       metadata={"param_groups": json.dumps(groups, default=_json_default)})
         with open(os.path.join(directory, "paro_consolidated.json"), "w") as f:
             json.dump(info, f, indent=1)
-    dist.barrier()
+    dist.barrier(group=engine.topology.world_group)
 
 
 def load_consolidated(engine: ParoEngine, directory: str) -> None:
@@ -241,34 +221,23 @@ def load_consolidated(engine: ParoEngine, directory: str) -> None:
     if missing or bad:
         raise ValueError(f"checkpoint {directory!r} belongs to a different model: missing {missing[:5]}, wrong shape "
                          f"{bad[:5]}. Load a checkpoint of this model.")
-    st = engine.strategy
-    optim = load_file(os.path.join(directory, OPTIM_FILE)) if os.path.exists(os.path.join(directory, OPTIM_FILE)) \
-        else None
-    for b in engine.buckets:
-        full = torch.zeros(b.size, dtype=torch.float32)
-        for s in b.slots:
-            full[s.offset:s.offset + s.numel].copy_(weights[s.name].reshape(-1))
-        lo, hi = engine._range(st.p, b)
-        b.p_store.copy_(full[lo:hi])
-        if b.trainable:
-            lo, hi = engine._range(st.os, b)
-            b.master.copy_(full[lo:hi])
-            if optim is not None:
-                for slot, a, z, piece in b.pieces:
-                    state = {}
-                    for key, value in optim.items():
-                        name, _, sk = key.partition("::")
-                        if name != slot.name:
-                            continue
-                        state[sk] = value.clone() if value.dim() == 0 else \
-                            value.reshape(-1)[a - slot.offset:z - slot.offset].clone()
-                    if state:
-                        engine.optimizer.state[piece] = state
-    if optim is not None:
-        with safe_open(os.path.join(directory, OPTIM_FILE), framework="pt") as f:
+    engine.load_full_values(weights)
+    optim_path = os.path.join(directory, OPTIM_FILE)
+    if engine.optimizer is not None and os.path.exists(optim_path):
+        optim = load_file(optim_path)
+        by_param: dict[str, dict[str, torch.Tensor]] = {}
+        for key, value in optim.items():
+            name, _, state_key = key.partition("::")
+            by_param.setdefault(name, {})[state_key] = value
+        for piece in engine.shard_pieces():
+            saved = by_param.get(piece.name, {})
+            state = {k: v.clone() if v.dim() == 0 else v.reshape(-1)[piece.start:piece.stop].clone()
+                     for k, v in saved.items()}
+            if state:
+                engine.optimizer.state[piece.tensor] = state
+        with safe_open(optim_path, framework="pt") as f:
             groups = json.loads(f.metadata()["param_groups"])
-        for group, saved in zip(engine.optimizer.param_groups, groups):
-            for k, v in saved.items():
+        for group, saved_group in zip(engine.optimizer.param_groups, groups):
+            for k, v in saved_group.items():
                 group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
-    _refresh_working_params(engine)
-    dist.barrier()
+    dist.barrier(group=engine.topology.world_group)

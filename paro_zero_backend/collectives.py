@@ -8,8 +8,8 @@ collective runs at inter-group speed. PaRO-CC (paper §3.2) splits each global c
 - reduce-scatter (RS_G): intra-group reduce-scatter (RS_I) first, then inter-group reduce-scatter (RS_E);
 - all-reduce (AR_G): RS_I, then all-reduce across groups (AR_E) on the 1/m chunk, then AG_I.
 
-Block layout. The engine keeps every flat buffer in the *device-major* order recommended by ``paro.md`` §4.3: a
-buffer of ``n`` equal blocks where rank ``r = i*m + j`` (group ``i``, local index ``j``) owns block ``k = j*ng + i``.
+Block layout. The engine keeps every flat buffer in the *device-major* order (`paro_zero_backend.schedule`): a buffer
+of ``n`` equal blocks where rank ``r = i*m + j`` (group ``i``, local index ``j``) owns block ``k = j*ng + i``.
 Then the 1/m chunk of local rank ``j`` (blocks ``j*ng .. j*ng + ng - 1``) is contiguous, AG_I/RS_I cut the buffer
 into ``m`` contiguous chunks and AG_E/RS_E cut one chunk into ``ng`` contiguous blocks: no collective ever needs a
 strided copy. The public functions below default to ``order="rank"`` (block ``r`` belongs to rank ``r``), the
@@ -25,12 +25,15 @@ call. Scalars exchanged for control (grad-norm, overflow flags) go to the ``cont
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+
+from .schedule import AG_GLOBAL, Collective, Op, Span
 
 __all__ = [
     "CollectiveResult",
@@ -59,15 +62,34 @@ class CommCounter:
 
     ``intra``: inside a group; ``inter``: between groups (PaRO's "E" collectives); ``flat``: flat global
     collectives (``paro_cc=False``), whose ring crosses group boundaries and therefore runs at inter-group speed;
-    ``control``: small scalar exchanges (norms, overflow flags).
+    ``control``: small scalar exchanges (norms, overflow flags). ``terms``: the same bytes (control excluded) by the
+    schedule term the engine was executing (``t_param``, ``t_gradient``, ``t_sync_g``, ``t_sync_p``; see
+    `paro_zero_backend.schedule`), so each term can be held against its formula.
     """
 
     bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LINKS, 0))
     calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LINKS, 0))
+    terms: dict[str, int] = field(default_factory=dict)
+    _term: str | None = field(default=None, repr=False)
 
     def add(self, link: str, nbytes: int) -> None:
         self.bytes[link] += int(nbytes)
         self.calls[link] += 1
+        if self._term is not None and link != "control":
+            self.terms[self._term] = self.terms.get(self._term, 0) + int(nbytes)
+
+    @contextlib.contextmanager
+    def term(self, name: str) -> Iterator[None]:
+        """Attribute the bytes sent inside the block to schedule term ``name``."""
+        previous, self._term = self._term, name
+        try:
+            yield
+        finally:
+            self._term = previous
+
+    def sent(self) -> int:
+        """Bytes sent on the data links (intra + inter + flat) so far."""
+        return self.bytes["intra"] + self.bytes["inter"] + self.bytes["flat"]
 
     def snapshot(self) -> dict[str, int]:
         return dict(self.bytes)
@@ -76,6 +98,7 @@ class CommCounter:
         for k in LINKS:
             self.bytes[k] = 0
             self.calls[k] = 0
+        self.terms.clear()
 
 
 class CollectiveResult(NamedTuple):
@@ -112,6 +135,29 @@ class _Comm:
         self.perm = torch.tensor([(r % self.m) * self.ng + r // self.m for r in range(self.n)])
         self.identity_perm = bool(torch.equal(self.perm, torch.arange(self.n)))
         self.block_index = j * self.ng + i
+        self._ops = {(Op.ALL_GATHER, Span.INTRA): self.ag_intra, (Op.ALL_GATHER, Span.INTER): self.ag_inter,
+                     (Op.ALL_GATHER, Span.GLOBAL): self.ag_global, (Op.REDUCE_SCATTER, Span.INTRA): self.rs_intra,
+                     (Op.REDUCE_SCATTER, Span.INTER): self.rs_inter,
+                     (Op.REDUCE_SCATTER, Span.GLOBAL): self.rs_global, (Op.ALL_REDUCE, Span.INTER): self.ar_inter,
+                     (Op.ALL_REDUCE, Span.GLOBAL): self.ar_global}
+
+    # --- schedule execution ----------------------------------------------------------------------------------
+    def run(self, collectives: Sequence[Collective], x: torch.Tensor) -> torch.Tensor:
+        """Apply a schedule entry (`paro_zero_backend.schedule`) to ``x``, collective after collective; with no
+        collectives ``x`` itself comes back. All-reduces work in place on their input."""
+        for c in collectives:
+            x = self._ops[(c.op, c.span)](x)
+        return x
+
+    def run_each(self, collectives: Sequence[Collective], xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """`run` on several buffers; a global all-gather is pipelined across them (`ag_global_coalesced`)."""
+        if tuple(collectives) == (AG_GLOBAL,):
+            return self.ag_global_coalesced(xs)
+        return [self.run(collectives, x) for x in xs]
+
+    def group(self, span: Span | None) -> dist.ProcessGroup | None:
+        """The process group of a span (None: no group, the state is not split)."""
+        return {None: None, Span.INTRA: self.intra, Span.INTER: self.inter, Span.GLOBAL: self.world}[span]
 
     # --- one-level collectives -------------------------------------------------------------------------------
     def _all_gather(self, x: torch.Tensor, group, k: int, link: str, async_op: bool = False):

@@ -30,8 +30,9 @@ class ParoConfig:
         strategy (`str`, *optional*, defaults to `"IIG"`):
             Partition levels of parameters, gradients and optimizer states as three letters from N (replicated),
             I (split inside a group of `group_size` ranks) and G (split over all ranks), e.g. `"NNG"` = ZeRO-1,
-            `"GGG"` = ZeRO-3, `"III"` = MiCS/HSDP. `"auto"` runs the guideline (`paro_zero_backend.advise`) on the
-            real model size and the measured or given bandwidths.
+            `"GGG"` = ZeRO-3, `"III"` = MiCS/HSDP. `"auto"` lets the guideline (`paro_zero_backend.advise`) pick from
+            the real model size and the measured or given bandwidths; it is resolved before the engine is built, by
+            `paro_zero_backend.resolve_strategy` (`ParoAccelerator` and `deepspeed_initialize` call it).
         group_size (`int`, *optional*):
             Ranks per group `m` (usually GPUs per node). Defaults to `LOCAL_WORLD_SIZE`, else the world size.
         > Parameters that control communication
@@ -67,7 +68,8 @@ class ParoConfig:
 
         unit_module_classes (`list[str]`, *optional*):
             Class names of modules whose parameters are gathered and released together; defaults to the children
-            of every `nn.ModuleList` (transformer blocks) plus the root.
+            of every `nn.ModuleList` (transformer blocks) plus the root. `[]`: no such units, so the root and the
+            engine's ``extra_units`` are each gathered whole per call (fewer, larger collectives).
         timeout_s (`float`, *optional*, defaults to `600.0`): timeout of the process groups the engine creates.
     """
 

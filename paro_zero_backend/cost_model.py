@@ -1,7 +1,8 @@
 """The PaRO cost model and guideline: memory and traffic formulas per strategy, and a ranked table.
 
-Formulas (``paro.md`` §4.4, derived from the paper's cost terms). With ``a_I = (m-1)/m``, ``a_E = (ng-1)/n`` and
-``a_F = (n-1)/n`` (flat ring), per rank and per optimizer step of ``s`` micro-steps:
+Formulas. `traffic` and `collectives` price the schedule table of `paro_zero_backend.schedule` (the one the engine
+executes): each collective there sends a ring's share of its buffer, so with ``a_I = (m-1)/m``, ``a_E = (ng-1)/n``
+and ``a_F = (n-1)/n`` (flat ring), per rank and per optimizer step of ``s`` micro-steps (the paper's cost terms):
 
 - t_param (every micro-step, forward + backward gathers): p=I: ``2 a_I Ψ`` intra; p=G: ``2 (a_I + a_E) Ψ``;
 - t_gradient (every micro-step): g=I: ``a_I Ψ'`` intra; g=G: ``(a_I + a_E) Ψ'``;
@@ -11,7 +12,7 @@ Formulas (``paro.md`` §4.4, derived from the paper's cost terms). With ``a_I = 
 
 Without PaRO-CC every global collective is a flat ring: ``a_F`` per element on the ``flat`` link, which runs at
 inter-group speed. Memory per rank: ``b_p Ψ/d(p) + b_g Ψ'/d(g) + b_os Ψ'/d(os)`` with ``d(N)=1, d(I)=m, d(G)=n``
-(paper: 2, 2 and 12 bytes for mixed-precision Adam).
+(paper: 2, 2 and 12 bytes for mixed-precision Adam; `bytes_per_element` gives the engine's figures).
 
 The guideline (paper §3.1.3) estimates ``T = max(t_comm, t_comp)`` with ``t_comm = (t_param + t_gradient)·s +
 t_sync_g + t_sync_p``, drops the strategies that do not fit in memory, and picks the smallest ``T``. Equal ``T`` is
@@ -50,10 +51,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
+import torch
+
+from .config import ParoConfig
+from .schedule import Collective, Op, Span, divisor, schedule_for
 from .strategies import KNOWN_EQUIVALENTS, VALID_STRATEGIES, Level, Strategy, parse_strategy
 
-__all__ = ["GuidelineInputs", "GuidelineRow", "GuidelineTable", "advise", "memory_bytes", "traffic", "collectives",
-           "estimate_compute_time_s", "DEFAULT_WORKING_MEMORY_FRACTION"]
+__all__ = ["GuidelineInputs", "GuidelineRow", "GuidelineTable", "advise", "bytes_per_element", "memory_bytes",
+           "traffic", "collectives", "estimate_compute_time_s", "DEFAULT_WORKING_MEMORY_FRACTION"]
 
 DEFAULT_WORKING_MEMORY_FRACTION = 0.1
 
@@ -73,13 +78,88 @@ def estimate_compute_time_s(num_params: float, trainable_params: float, tokens_p
 def memory_bytes(strategy: str | Strategy, num_params: float, trainable_params: float, world_size: int,
                  group_size: int, bytes_param: float = 2, bytes_grad: float = 2, bytes_os: float = 12
                  ) -> dict[str, float]:
-    """Model-state bytes per rank by kind (``params``, ``grads``, ``os``) and their ``total``."""
+    """Model-state bytes per rank by kind (``params``, ``grads``, ``os``) and their ``total``:
+    ``b_p Ψ/d(p) + b_g Ψ'/d(g) + b_os Ψ'/d(os)``.
+
+    For a `ParoEngine` run take the bytes per element from `bytes_per_element` (fp32 + Adam: 4, 4, 8; bf16 + Adam:
+    2, 2, 12) and the padded sizes from ``engine.padded_numel()``: ``engine.memory_bytes()["total"]`` then equals
+    ``total`` exactly (after the optimizer's first step, when it has allocated its state).
+    """
     st = parse_strategy(strategy)
     n, m = world_size, group_size
-    out = {"params": bytes_param * num_params / st.p.divisor(n, m),
-           "grads": bytes_grad * trainable_params / st.g.divisor(n, m),
-           "os": bytes_os * trainable_params / st.os.divisor(n, m)}
+    out = {"params": bytes_param * num_params / divisor(st.p, n, m),
+           "grads": bytes_grad * trainable_params / divisor(st.g, n, m),
+           "os": bytes_os * trainable_params / divisor(st.os, n, m)}
     out["total"] = out["params"] + out["grads"] + out["os"]
+    return out
+
+
+def bytes_per_element(mixed_precision: str = "no", reduce_dtype: str | None = None,
+                      optimizer_state_bytes: float = 8) -> dict[str, float]:
+    """``bytes_param``, ``bytes_grad`` and ``bytes_os`` of `memory_bytes` for a `ParoEngine` with these settings.
+
+    - ``bytes_param``: the compute dtype (4 fp32, 2 bf16/fp16);
+    - ``bytes_grad``: the gradient-reduction dtype (``reduce_dtype``, defaults to the compute dtype);
+    - ``bytes_os``: the optimizer's per-element state (``optimizer_state_bytes``: 8 for Adam/AdamW's two fp32
+      moments, 4 for SGD with momentum) plus 4 for the fp32 master copy under bf16/fp16. Under fp32 the master slice
+      *is* part of the working parameters (the os slice lies inside the p slice), so it costs nothing extra.
+
+    Args:
+        mixed_precision (`str`, *optional*, defaults to `"no"`): ``ParoConfig.mixed_precision``.
+        reduce_dtype (`str`, *optional*): ``ParoConfig.reduce_dtype``.
+        optimizer_state_bytes (`float`, *optional*, defaults to `8`): optimizer-state bytes per trainable element.
+    """
+    cfg = ParoConfig(mixed_precision=mixed_precision, reduce_dtype=reduce_dtype)
+    param = torch.empty(0, dtype=cfg.compute_dtype).element_size()
+    grad = torch.empty(0, dtype=cfg.grad_dtype).element_size()
+    master = 0 if cfg.compute_dtype == torch.float32 else 4
+    return {"bytes_param": float(param), "bytes_grad": float(grad), "bytes_os": float(optimizer_state_bytes + master)}
+
+
+def _records(c: Collective, level: Level, n: int, m: int, paro_cc: bool) -> list[tuple[str, str, float]]:
+    """``(link, op, elements sent per rank / full buffer size)`` of one collective applied to a level-``level``
+    buffer, split the way the engine's collectives run it (ring send volumes; `paro_zero_backend.collectives`)."""
+    ng = n // m
+    a_i, a_e, a_f = (m - 1) / m, (ng - 1) / n, (n - 1) / n
+    op = c.op.value
+    if c.span == Span.INTRA:
+        return [("intra", op, a_i)]
+    if c.span == Span.INTER:
+        # an all-reduce keeps the whole 1/d(level) slice on every rank and sends twice a reduce-scatter's share
+        return [("inter", op, 2 * (ng - 1) / ng / divisor(level, n, m) if c.op == Op.ALL_REDUCE else a_e)]
+    if not paro_cc:
+        return [("flat", op, (2 if c.op == Op.ALL_REDUCE else 1) * a_f)]
+    if c.op == Op.ALL_GATHER:
+        return [("inter", op, a_e), ("intra", op, a_i)]
+    if c.op == Op.REDUCE_SCATTER:
+        return [("intra", op, a_i), ("inter", op, a_e)]
+    if m == 1:  # PaRO-CC all-reduce with a one-rank part is a single all-reduce over the other part
+        return [("inter", op, 2 * a_e)]
+    if ng == 1:
+        return [("intra", op, 2 * a_i)]
+    return [("intra", Op.REDUCE_SCATTER.value, a_i), ("inter", op, 2 * a_e), ("intra", Op.ALL_GATHER.value, a_i)]
+
+
+def collectives(strategy: str | Strategy, num_params: float, trainable_params: float, world_size: int,
+                group_size: int, accumulation_steps: int, bytes_param: float = 2, bytes_grad: float = 2,
+                paro_cc: bool = True) -> list[dict]:
+    """The collectives one optimizer step issues per bucket, priced from the schedule table
+    (`paro_zero_backend.schedule`): ``{"term", "link", "op", "bytes", "calls"}`` records, ``op`` in ``all_gather`` /
+    ``reduce_scatter`` / ``all_reduce``, ``bytes`` sent per rank summed over the ``calls``. Summed by link they equal
+    `traffic`; this split is what latency and per-operation factors need."""
+    n, m, s = world_size, group_size, accumulation_steps
+    out: list[dict] = []
+    for phase in schedule_for(strategy).phases:
+        elements = trainable_params if phase.trainable_only else num_params
+        nbytes = bytes_param if phase.dtype == "param" else bytes_grad
+        calls = phase.repeats * (s if phase.per_micro_step else 1)
+        level = phase.input_level
+        for c in phase.collectives:
+            for link, op, fraction in _records(c, level, n, m, paro_cc):
+                if fraction > 0 and elements > 0:
+                    out.append({"term": phase.term, "link": link, "op": op,
+                                "bytes": fraction * elements * calls * nbytes, "calls": calls})
+            level = c.output_level(level)
     return out
 
 
@@ -88,117 +168,18 @@ def traffic(strategy: str | Strategy, num_params: float, trainable_params: float
             ) -> dict[str, float]:
     """Bytes sent per rank per optimizer step, by link (``intra``, ``inter``, ``flat``), plus the per-term split
     (``t_param``, ``t_gradient``, ``t_sync_g``, ``t_sync_p`` as ``{link: bytes}``) and ``inter_launches`` (inter-group
-    or flat collective calls per bucket and step)."""
-    st = parse_strategy(strategy)
-    n, m, s = world_size, group_size, accumulation_steps
-    ng = n // m
-    a_i, a_e, a_f = (m - 1) / m, (ng - 1) / n, (n - 1) / n
-    psi, psi_t = num_params, trainable_params
-
-    def glob(x: float, count: float = 1.0) -> dict[str, float]:
-        """One global (G) collective over x elements: PaRO-CC = intra + inter parts, else a flat ring."""
-        return {"intra": count * a_i * x, "inter": count * a_e * x} if paro_cc else {"flat": count * a_f * x}
-
-    terms: dict[str, dict[str, float]] = {}
-    launches = 0.0
-    # t_param: gather in forward and again in backward, every micro-step.
-    if st.p == Level.I:
-        terms["t_param"] = {"intra": 2 * s * a_i * psi}
-    elif st.p == Level.G:
-        terms["t_param"] = glob(psi, 2 * s)
-        launches += 2 * s
-    # t_gradient: reduce-scatter every micro-step.
-    if st.g == Level.I:
-        terms["t_gradient"] = {"intra": s * a_i * psi_t}
-    elif st.g == Level.G:
-        terms["t_gradient"] = glob(psi_t, s)
-        launches += s
-    key = (st.g, st.os)
-    N, I, G = Level.N, Level.I, Level.G  # noqa: E741 - the paper's letters
-    ar_g = {"intra": 2 * a_i * psi_t, "inter": 2 * a_e * psi_t} if paro_cc else {"flat": 2 * a_f * psi_t}
-    sync_g = {(N, N): ar_g,
-              (N, I): {"intra": a_i * psi_t, "inter": 2 * a_e * psi_t},
-              (N, G): glob(psi_t), (I, I): {"inter": 2 * a_e * psi_t}, (I, G): {"inter": a_e * psi_t},
-              (G, G): {}}[key]
-    terms["t_sync_g"] = sync_g
-    launches += 0 if key == (G, G) else 1
-    pk = (st.p, st.os)
-    sync_p = {(N, I): {"intra": a_i * psi_t}, (N, G): glob(psi_t), (I, G): {"inter": a_e * psi_t}}.get(pk, {})
-    terms["t_sync_p"] = sync_p
-    launches += 1 if pk in ((N, G), (I, G)) else 0
-    out: dict[str, float] = {"intra": 0.0, "inter": 0.0, "flat": 0.0}
-    for name, term in terms.items():
-        nbytes = bytes_param if name in ("t_param", "t_sync_p") else bytes_grad
-        for link, v in term.items():
-            out[link] += v * nbytes
-    result: dict = dict(out)
-    result.update({name: {k: v * (bytes_param if name in ("t_param", "t_sync_p") else bytes_grad)
-                          for k, v in term.items()} for name, term in terms.items()})
-    result["inter_launches"] = launches
+    or flat collective calls per bucket and step, whatever their size)."""
+    result: dict = {"intra": 0.0, "inter": 0.0, "flat": 0.0}
+    for phase in schedule_for(strategy).phases:
+        result[phase.term] = {}
+    for r in collectives(strategy, num_params, trainable_params, world_size, group_size, accumulation_steps,
+                         bytes_param, bytes_grad, paro_cc):
+        result[r["link"]] += r["bytes"]
+        result[r["term"]][r["link"]] = result[r["term"]].get(r["link"], 0.0) + r["bytes"]
+    result["inter_launches"] = float(sum(
+        phase.repeats * (accumulation_steps if phase.per_micro_step else 1)
+        for phase in schedule_for(strategy).phases for c in phase.collectives if c.span != Span.INTRA))
     return result
-
-
-def collectives(strategy: str | Strategy, num_params: float, trainable_params: float, world_size: int,
-                group_size: int, accumulation_steps: int, bytes_param: float = 2, bytes_grad: float = 2,
-                paro_cc: bool = True) -> list[dict]:
-    """The collectives one optimizer step issues per bucket: ``{"term", "link", "op", "bytes", "calls"}`` records,
-    ``op`` in ``all_gather`` / ``reduce_scatter`` / ``all_reduce``, ``bytes`` sent per rank summed over the
-    ``calls``. Summed by link they equal `traffic`; this split is what latency and per-operation factors need."""
-    st = parse_strategy(strategy)
-    n, m, s = world_size, group_size, accumulation_steps
-    ng = n // m
-    a_i, a_e, a_f = (m - 1) / m, (ng - 1) / n, (n - 1) / n
-    psi, psi_t = num_params, trainable_params
-    out: list[dict] = []
-
-    def add(term: str, link: str, op: str, elements: float, calls: float) -> None:
-        if elements <= 0 or calls <= 0 or (link == "intra" and m == 1) or (link == "inter" and ng == 1):
-            return
-        nbytes = bytes_param if term in ("t_param", "t_sync_p") else bytes_grad
-        out.append({"term": term, "link": link, "op": op, "bytes": elements * nbytes, "calls": calls})
-
-    def glob(term: str, op: str, x: float, calls: float) -> None:
-        """One global collective repeated ``calls`` times: PaRO-CC (intra + inter parts, or RS_I -> AR_E -> AG_I for
-        an all-reduce) or a flat ring."""
-        if not paro_cc:
-            add(term, "flat", op, (2 if op == "all_reduce" else 1) * a_f * x * calls, calls)
-        elif op == "all_reduce":
-            add(term, "intra", "reduce_scatter", a_i * x * calls, calls)
-            add(term, "inter", "all_reduce", 2 * a_e * x * calls, calls)
-            add(term, "intra", "all_gather", a_i * x * calls, calls)
-        else:
-            add(term, "inter", op, a_e * x * calls, calls)
-            add(term, "intra", op, a_i * x * calls, calls)
-
-    N, I, G = Level.N, Level.I, Level.G  # noqa: E741 - the paper's letters
-    if st.p == I:
-        add("t_param", "intra", "all_gather", 2 * s * a_i * psi, 2 * s)
-    elif st.p == G:
-        glob("t_param", "all_gather", psi, 2 * s)
-    if st.g == I:
-        add("t_gradient", "intra", "reduce_scatter", s * a_i * psi_t, s)
-    elif st.g == G:
-        glob("t_gradient", "reduce_scatter", psi_t, s)
-    key = (st.g, st.os)
-    if key == (N, N):
-        glob("t_sync_g", "all_reduce", psi_t, 1)
-    elif key == (N, I):
-        add("t_sync_g", "intra", "reduce_scatter", a_i * psi_t, 1)
-        add("t_sync_g", "inter", "all_reduce", 2 * a_e * psi_t, 1)
-    elif key == (N, G):
-        glob("t_sync_g", "reduce_scatter", psi_t, 1)
-    elif key == (I, I):
-        add("t_sync_g", "inter", "all_reduce", 2 * a_e * psi_t, 1)
-    elif key == (I, G):
-        add("t_sync_g", "inter", "reduce_scatter", a_e * psi_t, 1)
-    pk = (st.p, st.os)
-    if pk == (N, I):
-        add("t_sync_p", "intra", "all_gather", a_i * psi_t, 1)
-    elif pk == (N, G):
-        glob("t_sync_p", "all_gather", psi_t, 1)
-    elif pk == (I, G):
-        add("t_sync_p", "inter", "all_gather", a_e * psi_t, 1)
-    return out
 
 
 @dataclass
@@ -332,7 +313,7 @@ def advise(inputs: GuidelineInputs) -> GuidelineTable:
             intra = c["link"] == "intra"
             t_comm += c["bytes"] * factor[c["op"]] / (b_intra if intra else b_inter)
             t_comm += c["calls"] * x.num_buckets * (x.latency_intra_s if intra else x.latency_inter_s)
-        t_opt = x.optimizer_time_s / parse_strategy(name).os.divisor(x.world_size, x.group_size)
+        t_opt = x.optimizer_time_s / divisor(parse_strategy(name).os, x.world_size, x.group_size)
         t_step = x.compute_time_s + t_comm - x.overlap * min(x.compute_time_s, t_comm) + t_opt
         fits = x.device_memory_gb is None or mem + wm <= x.device_memory_gb
         rows.append(GuidelineRow(0, name, KNOWN_EQUIVALENTS.get(name, ""), mem, mem + wm, fits, tr["intra"] / 1e9,

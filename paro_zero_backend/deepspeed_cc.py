@@ -7,7 +7,7 @@ Where ZeRO-3 communicates (DeepSpeed 0.16-0.19): parameters are fetched by ``par
 communication backend object (``deepspeed.comm.comm.cdb``, a ``deepspeed.comm.torch.TorchBackend``), so that is where
 we hook: ``TorchBackend.all_gather_into_tensor`` and ``TorchBackend.reduce_scatter_tensor`` are replaced, while the
 patch is active, by PaRO-CC versions (inter- then intra-group all-gather; intra- then inter-group reduce-scatter,
-paper §3.2). Like the authors' fork (``paro.md`` §5), a collective is only rerouted when its group is the whole world
+paper §3.2). Like the paper authors' DeepSpeed fork, a collective is only rerouted when its group is the whole world
 in rank order (ZeRO's data-parallel group); anything else (sub-groups, MAX reductions, tiny tensors below
 ``min_numel``) goes to DeepSpeed's original method unchanged. Unlike the fork we patch the tensor APIs that ZeRO-3
 actually uses, keep ``m`` configurable, and issue no barriers.

@@ -316,11 +316,12 @@ class DeepSpeedStyleEngine(nn.Module):
     as DeepSpeed's engine does.
     """
 
-    def __init__(self, engine, spec: DeepSpeedTrainingSpec, lr_scheduler=None):
+    def __init__(self, engine, spec: DeepSpeedTrainingSpec, lr_scheduler=None, guideline=None):
         super().__init__()
         self.engine = engine
         self.spec = spec
         self.lr_scheduler = lr_scheduler
+        self.guideline = guideline  # the guideline table behind paro.strategy="auto" (None otherwise)
         self.micro_steps = 0
         self.global_steps = 0
 
@@ -372,19 +373,21 @@ def build_paro_engine(model: nn.Module, config: str | os.PathLike | dict[str, An
                       model_parameters=None) -> DeepSpeedStyleEngine:
     """`ParoEngine` (in a `DeepSpeedStyleEngine`) from a DeepSpeed config whose ``paro`` section has a strategy."""
     from .engine import ParoEngine
+    from .resolve import resolve_strategy
 
     paro_cfg, spec = paro_config_from_deepspeed(config)
     if spec.optimizer is None:
         raise ValueError("the DeepSpeed config has no optimizer block; the PaRO engine builds the optimizer from it "
                          "(pass an optimizer object to ParoEngine directly otherwise).")
+    resolved = resolve_strategy(paro_cfg, model)  # "auto" -> the guideline's pick, before the engine
     opt_cls, opt_kwargs = _optimizer_class(spec.optimizer)
     params = list(model_parameters) if model_parameters is not None else list(model.parameters())
-    engine = ParoEngine(model, opt_cls(params, **opt_kwargs), paro_cfg)
+    engine = ParoEngine(model, opt_cls(params, **opt_kwargs), resolved.config)
     scheduler = None
     if spec.scheduler is not None:
         sched_cls = _scheduler_class(spec.scheduler.get("type"))
         scheduler = sched_cls(engine.optimizer, **(spec.scheduler.get("params") or {}))
-    return DeepSpeedStyleEngine(engine, spec, scheduler)
+    return DeepSpeedStyleEngine(engine, spec, scheduler, guideline=resolved.guideline)
 
 
 def initialize(model: nn.Module, config: str | os.PathLike | dict[str, Any], model_parameters=None, **kwargs: Any):

@@ -1,81 +1,99 @@
-"""`ParoEngine`: PaRO-DP training for any of the 14 strategies, in plain ``torch.distributed``.
+"""`ParoEngine`: PaRO-DP training (and sharded inference) for any of the 14 strategies, in plain ``torch.distributed``.
 
-Procedure (paper §3.1, notes ``paro.md`` §4.1), per bucket of parameters:
+Procedure (paper §3.1), per bucket of parameters; the collectives of each point come from the schedule table
+(`paro_zero_backend.schedule`), which the cost model prices too:
 
 every micro-step
-  1. forward: p=I/G buckets are all-gathered (AG_I / AG_G) by a forward pre-hook on their unit and released by
-     the post-hook;
+  1. forward: a forward pre-hook on each unit gathers its buckets (t_param) and the post-hook releases them;
   2. backward: a hook on the unit's output gradients gathers them again; a hook on the unit's input gradients
      (fired once the whole unit's backward ran) releases them;
   3. gradients: each parameter's gradient is moved into the bucket (``post_accumulate_grad`` hook); when a bucket
-     is complete it is added locally (g=N) or reduce-scattered inside the group (g=I: RS_I) or globally
-     (g=G: RS_G) and added to the g-level accumulator;
+     is complete it is reduced to the g level (t_gradient; summed locally for g=N) and added to the accumulator;
 
 at the accumulation boundary (a backward outside `no_sync`)
-  4. sync_g turns the accumulator into this rank's os-shard gradient (AR_G, RS_I+AR_E, RS_G, AR_E, RS_E or
-     nothing, by the (g, os) pair), summed over ranks and then divided by ``n``: the caller already divides the loss
-     by the number of micro-steps, so the engine averages over ranks only;
+  4. sync_g turns the accumulator into this rank's os-shard gradient (t_sync_g), summed over ranks and then divided
+     by ``n``: the caller already divides the loss by the number of micro-steps, so the engine averages over ranks;
 
 in `step()`
   5. the user's optimizer, rebuilt over this rank's os-shard pieces of each parameter (so param groups, weight
-     decay exclusions and per-element optimizers behave exactly as on one process), updates the fp32 master copy;
-  6. sync_p rebuilds the p-level working copy from the updated shards (AG_I, AG_G, AG_E or a local copy).
+     decay exclusions and per-element optimizers behave exactly as on one process), updates the fp32 master slice;
+  6. sync_p rebuilds the p-level working slice from the updated os slices (t_sync_p).
 
-Tensor-name legend: ``*_store`` p-level slice (compute dtype), ``g_acc`` g-level accumulator (reduce dtype),
-``master`` os-level fp32 slice, ``full`` gathered working buffer; all flat, padded to a multiple of ``n``.
+`gathered()` pins every parameter for a block (generation, weight sync, export): one gather at entry, none in the
+hooks, release at exit. The engine runs on the ranks of its topology (the world, or a sub-group built with
+``hf_placement.build_topology(ranks=...)``) and never touches the default process group.
+
+Tensor-name legend: ``p_store`` p-level slice (compute dtype), ``g_acc`` g-level accumulator (reduce dtype),
+``master`` os-level fp32 slice (a view into ``p_store`` when computing in fp32: the os slice lies inside the p slice),
+``full`` gathered working buffer; all flat, padded to a multiple of ``n``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
-import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from hf_placement import build_topology
+from hf_placement import Topology, build_topology
 
-from ._buckets import Bucket, ParamSlot, build_buckets, build_units, level_range
-from .collectives import CommCounter, _all_gather_single, _Comm
+from ._buckets import Bucket, ParamSlot, build_buckets, build_units
+from ._hooks import install_unit_hooks
+from ._optimizer import OptimizerLike, rebuild_optimizer
+from .collectives import CommCounter, _Comm
 from .config import ParoConfig
+from .schedule import gather_to_full, schedule_for, shard_span, slice_range
 from .strategies import Level, Strategy, parse_strategy
 
-__all__ = ["ParoEngine"]
+__all__ = ["LocalState", "ParoEngine", "ShardPiece"]
 
 logger = logging.getLogger(__name__)
 
-OptimizerLike = torch.optim.Optimizer | Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+
+class ShardPiece(NamedTuple):
+    """What this rank holds of one trainable parameter's optimizer-state shard: elements ``[start, stop)`` of the
+    flattened parameter ``name``, as ``tensor`` (the tensor the optimizer updates, whose ``state`` it keys)."""
+
+    name: str
+    shape: torch.Size
+    start: int
+    stop: int
+    tensor: torch.Tensor
 
 
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Tensors inside nested outputs (tuples, lists, dicts, HF ``ModelOutput``)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
+class LocalState(NamedTuple):
+    """This rank's own slices (``tensors``, by bucket) and step counters (``counters``: global step, loss scale,
+    fp16 overflow bookkeeping): with the optimizer's state dict, everything a same-topology resume needs."""
+
+    tensors: dict[str, torch.Tensor]
+    counters: dict[str, float]
 
 
 class ParoEngine(nn.Module):
-    """Wrap a model and its optimizer for PaRO-DP training.
+    """Wrap a model and its optimizer for PaRO-DP training, or a frozen model for sharded inference.
 
     Args:
-        model (`nn.Module`): the model, identical on every rank (rank 0's values are broadcast at start).
-        optimizer (`torch.optim.Optimizer` or callable):
+        model (`nn.Module`): the model, identical on every member rank (member 0's values are broadcast at start).
+        optimizer (`torch.optim.Optimizer` or callable, *optional*):
             an optimizer built over ``model.parameters()`` (its class, defaults and param groups are rebuilt over the
             os shards), or a factory ``fn(param_groups) -> Optimizer`` called with one group of shard pieces.
             Any optimizer that updates each element from that element's gradient and state (SGD, Adam, AdamW, ...)
-            gives the same result as on one process.
-        config (`ParoConfig`, *optional*): strategy and settings; defaults to ``ParoConfig()`` (IIG).
-        topology (`hf_placement.Topology`, *optional*): defaults to ``build_topology(group_size=m)``.
+            gives the same result as on one process. ``None`` for a model without trainable parameters (a reference
+            or reward model sharded for inference).
+        config (`ParoConfig`, *optional*): a concrete strategy and settings; defaults to ``ParoConfig()`` (IIG).
+            ``strategy="auto"`` is resolved before the engine, by `paro_zero_backend.resolve_strategy`.
+        topology (`hf_placement.Topology`, *optional*): the ranks the engine runs on and their groups; defaults to
+            ``build_topology(group_size=config.group_size)`` over the whole world. For a sub-group, build it on every
+            rank (``build_topology(ranks=[...])`` is collective) and the engine on the member ranks only.
+        extra_units (`Sequence[nn.Module]`, *optional*): modules gathered whole by their own forward pre-hook, for
+            sub-modules the caller runs directly (a wrapper whose own forward never runs, such as a policy + value
+            wrapper whose trainer calls ``wrapper.policy(...)`` and ``wrapper.value_model.score(...)``). Running a
+            module whose parameters belong to a unit that has not gathered them raises an error naming the unit;
+            parameters read without running their module (functional code) must be read inside `gathered()`.
 
     Example:
 
@@ -87,40 +105,50 @@ class ParoEngine(nn.Module):
             with ctx:
                 engine.backward(engine(**batch).loss / len(step_batches))
         engine.step()
+    with engine.gathered():  # full weights for generation: one gather, not one per layer and token
+        out = engine.module.generate(prompt_ids, max_new_tokens=32)
     ```
     """
 
-    def __init__(self, model: nn.Module, optimizer: OptimizerLike, config: ParoConfig | None = None,
-                 topology=None):
+    def __init__(self, model: nn.Module, optimizer: OptimizerLike | None = None, config: ParoConfig | None = None,
+                 topology: Topology | None = None, *, extra_units: Sequence[nn.Module] = ()):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("ParoEngine needs torch.distributed: call dist.init_process_group (or launch with "
                                "torchrun / accelerate launch) before building the engine.")
         self.module = model
         self.config = config if config is not None else ParoConfig()
-        n = dist.get_world_size()
-        m = self.config.resolve_group_size(n)
-        self.topology = topology if topology is not None else build_topology(group_size=m,
-                                                                             timeout_s=self.config.timeout_s)
-        if self.topology.world_size != n or self.topology.group_size != m:
-            raise ValueError(f"topology has world_size={self.topology.world_size}, group_size="
-                             f"{self.topology.group_size}, but the run has {n} ranks and config group_size={m}.")
-        self.rank = dist.get_rank()
-        self.world_size, self.group_size = n, m
+        if self.config.strategy == "auto":
+            raise ValueError("ParoEngine needs a concrete strategy, got strategy='auto': resolve it first with "
+                             "paro_zero_backend.resolve_strategy(config, model, topology).config (the integrations "
+                             "ParoAccelerator and deepspeed_initialize do this for you).")
+        self.topology = self._check_topology(topology)
+        self.rank, self.world_size, self.group_size = (self.topology.rank, self.topology.world_size,
+                                                       self.topology.group_size)
+        self.strategy: Strategy = parse_strategy(self.config.strategy)
+        self.schedule = schedule_for(self.strategy)
         self.compute_dtype = self.config.compute_dtype
         self.grad_dtype = self.config.grad_dtype
         self.counter = CommCounter()
         self._comm = _Comm(self.topology, self.counter, hierarchical=self.config.paro_cc)
-        units, owner = build_units(model, self.config.unit_module_classes)
+        units, owner = build_units(model, self.config.unit_module_classes, extra_units)
         self._units = units
-        self.buckets, self.slots = build_buckets(model, owner, len(units), self.config.bucket_size, n)
+        self.buckets, self.slots = build_buckets(model, owner, len(units), self.config.bucket_size, self.world_size)
         self._unit_buckets: list[list[Bucket]] = [[b for b in self.buckets if b.unit == u] for u in range(len(units))]
         self._slot_by_param = {id(s.param): s for s in self.slots}
-        self.guideline = None  # the GuidelineTable behind strategy="auto" (inputs include the bandwidths used)
-        self.strategy: Strategy = self._resolve_strategy()
+        self._partitioned = bool(self.schedule.param.collectives)  # p != N: working parameters come and go
+        # fp32 compute: the fp32 master slice is a view into the working slice, no second copy (see _init_storage)
+        self._master_is_param = self.compute_dtype == torch.float32
+        if optimizer is None and any(s.trainable for s in self.slots):
+            raise ValueError("optimizer=None builds an inference-only engine, but the model has trainable parameters "
+                             f"(e.g. {next(s.name for s in self.slots if s.trainable)!r}). Pass the optimizer, or "
+                             "freeze the model first (model.requires_grad_(False)) to shard it for inference.")
         self._empty = torch.empty(0, dtype=self.compute_dtype)
         self._init_storage()
-        self.optimizer = self._rebuild_optimizer(optimizer)
+        self.optimizer: torch.optim.Optimizer | None = None if optimizer is None else rebuild_optimizer(
+            optimizer, set(self._slot_by_param),
+            {id(s.param): piece for b in self.buckets for (s, _, _, piece) in b.pieces},
+            [piece for b in self.buckets for (_, _, _, piece) in b.pieces])
         # Runtime state.
         self._sync = True
         self._callback_queued = False
@@ -130,187 +158,101 @@ class ParoEngine(nn.Module):
         self.loss_scale = float(self.config.initial_loss_scale) if self.compute_dtype == torch.float16 else 1.0
         self._good_steps = 0
         self.skipped_steps = 0
+        self.gathered_bytes = 0  # parameter all-gather bytes sent since the engine was built (training + pinning)
         self.last_step_bytes: dict[str, int] = {}
+        self.last_step_terms: dict[str, int] = {}
         self.last_grad_norm: float | None = None
         self._handles: list[Any] = []
         self._install_hooks()
-        logger.info("PaRO engine: strategy %s, n=%d, m=%d, %d buckets, paro_cc=%s, %s", self.strategy, n, m,
-                    len(self.buckets), self.config.paro_cc, self.compute_dtype)
+        logger.info("PaRO engine: strategy %s on ranks %s, n=%d, m=%d, %d buckets, paro_cc=%s, %s", self.strategy,
+                    list(self.topology.ranks), self.world_size, self.group_size, len(self.buckets),
+                    self.config.paro_cc, self.compute_dtype)
 
     # ------------------------------------------------------------------------------------------------- set-up
-    def _resolve_strategy(self) -> Strategy:
-        if self.config.strategy != "auto":
-            return parse_strategy(self.config.strategy)
-        from .cost_model import GuidelineInputs, advise
+    def _check_topology(self, topology: Topology | None) -> Topology:
+        if topology is None:
+            m = self.config.resolve_group_size(dist.get_world_size())
+            return build_topology(group_size=m, timeout_s=self.config.timeout_s)
+        if not topology.is_member:
+            raise ValueError(f"ParoEngine built on global rank {dist.get_rank()}, which is not one of the topology's "
+                             f"ranks {list(topology.ranks)}: build the topology on every rank, and the engine only "
+                             "where topology.is_member is True.")
+        if self.config.group_size is not None and self.config.group_size != topology.group_size:
+            raise ValueError(f"config group_size={self.config.group_size} but the topology has group_size="
+                             f"{topology.group_size}; leave config.group_size unset to use the topology's.")
+        return topology
 
-        cfg = self.config
-        intra, inter = cfg.bandwidth_intra_gbps, cfg.bandwidth_inter_gbps
-        if intra is None or inter is None:
-            m_intra, m_inter = self._measure_bandwidths()
-            intra = intra if intra is not None else m_intra
-            inter = inter if inter is not None else m_inter
-        psi = sum(s.numel for s in self.slots)
-        psi_t = sum(s.numel for s in self.slots if s.trainable)
-        table = advise(GuidelineInputs(
-            num_params=psi, trainable_params=psi_t, world_size=self.world_size, group_size=self.group_size,
-            bandwidth_intra_gbps=intra, bandwidth_inter_gbps=inter, accumulation_steps=cfg.gradient_accumulation_steps,
-            device_memory_gb=cfg.device_memory_gb, working_memory_gb=cfg.working_memory_gb,
-            compute_time_s=cfg.compute_time_s, bytes_param=torch.empty(0, dtype=self.compute_dtype).element_size(),
-            bytes_grad=torch.empty(0, dtype=self.grad_dtype).element_size()))
-        if table.recommended is None:
-            raise ValueError("strategy='auto': no PaRO strategy fits in device_memory_gb="
-                             f"{cfg.device_memory_gb} for this model; raise the memory, lower working_memory_gb, "
-                             "freeze parameters or add ranks.\n" + table.format())
-        self.guideline = table
-        logger.info("strategy='auto' picked %s\n%s", table.recommended, table.format())
-        return parse_strategy(table.recommended)
-
-    def _measure_bandwidths(self) -> tuple[float, float]:
-        """Time an all-gather over the intra and the inter group (rank 0's figures, broadcast to all ranks)."""
-        x = torch.ones(1 << 20, dtype=torch.float32)
-        out = []
-        for group, k in ((self.topology.intra_group, self.group_size),
-                         (self.topology.inter_group, self.topology.num_groups)):
-            if k == 1:
-                out.append(1e6)
-                continue
-            buf = torch.empty(x.numel() * k)
-            _all_gather_single(buf, x, group=group)  # warm-up
-            t0 = time.perf_counter()
-            for _ in range(3):
-                _all_gather_single(buf, x, group=group)
-            dt = (time.perf_counter() - t0) / 3
-            out.append((k - 1) * x.numel() * 4 * 8 / dt / 1e9)
-        t = torch.tensor(out, dtype=torch.float64)
-        dist.broadcast(t, src=0)
-        return float(t[0]), float(t[1])
-
-    def _range(self, level: Level, b: Bucket) -> tuple[int, int]:
-        return level_range(level, b.size, self.world_size, self.group_size, self.rank)
+    def _slice(self, level: Level, b: Bucket) -> tuple[int, int]:
+        return slice_range(level, b.size, self.world_size, self.group_size, self.rank)
 
     def _init_storage(self) -> None:
         st = self.strategy
+        src = self.topology.global_rank(0)
         for b in self.buckets:
             full = torch.zeros(b.size, dtype=torch.float32)
             for s in b.slots:
                 full[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
-            dist.broadcast(full, src=0)  # identical start on every rank (not counted: set-up, not a training step)
-            lo, hi = self._range(st.p, b)
-            b.p_store = full[lo:hi].to(self.compute_dtype, copy=True)
+            # identical start on every member (not counted: set-up, not a training step)
+            dist.broadcast(full, src=src, group=self.topology.world_group)
+            plo, phi = self._slice(st.p, b)
+            b.p_store = full[plo:phi].to(self.compute_dtype, copy=True)
             if b.trainable:
-                lo, hi = self._range(st.os, b)
-                b.master = full[lo:hi].clone()
-                glo, ghi = self._range(st.g, b)
+                lo, hi = self._slice(st.os, b)
+                assert plo <= lo and hi <= phi, "the os slice lies inside the p slice (os is at least as fine as p)"
+                b.master = b.p_store[lo - plo:hi - plo] if self._master_is_param else full[lo:hi].clone()
+                glo, ghi = self._slice(st.g, b)
                 b.g_acc = torch.zeros(ghi - glo, dtype=self.grad_dtype)
                 for s in b.slots:
                     a, z = max(lo, s.offset), min(hi, s.offset + s.numel)
                     if a < z:
                         b.pieces.append((s, a, z, b.master[a - lo:z - lo]))
-            if st.p == Level.N:
+        self._refresh_working_params()
+
+    def _refresh_working_params(self) -> None:
+        """After the p-level slices changed wholesale (set-up, loading): point the model's parameters at the working
+        copy (p=N), or drop the gathered copies (p=I/G; gathered again at once while pinned)."""
+        for b in self.buckets:
+            if self._partitioned:
+                b.full = None
+                for s in b.slots:
+                    s.param.data = self._empty
+            else:
                 b.full = b.p_store
                 self._point_params(b)
-            else:
-                self._release(b)
-
-    def _rebuild_optimizer(self, optimizer: OptimizerLike) -> torch.optim.Optimizer:
-        piece_of = {id(s.param): piece for b in self.buckets for (s, _, _, piece) in b.pieces}
-        if isinstance(optimizer, torch.optim.Optimizer):
-            if optimizer.state:
-                raise ValueError("the optimizer already has state; build the engine before the first step, and "
-                                 "resume with engine.load_sharded()/load_consolidated() instead.")
-            groups = []
-            for group in optimizer.param_groups:
-                params = []
-                for p in group["params"]:
-                    slot = self._slot_by_param.get(id(p))
-                    if slot is None:
-                        raise ValueError("the optimizer holds a tensor that is not a parameter of the model; build "
-                                         "it over model.parameters().")
-                    if slot.trainable and id(p) in piece_of:
-                        params.append(piece_of[id(p)])
-                groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
-            accepted = inspect.signature(type(optimizer).__init__).parameters
-            defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-            try:
-                return type(optimizer)(groups, **defaults)
-            except TypeError as exc:
-                raise TypeError(f"could not rebuild {type(optimizer).__name__} over the optimizer-state shards "
-                                f"({exc}). Pass a factory instead: ParoEngine(model, lambda groups: "
-                                "MyOptimizer(groups, ...)).") from exc
-        if callable(optimizer):
-            return optimizer([{"params": [piece for b in self.buckets for (_, _, _, piece) in b.pieces]}])
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer or a factory, got {type(optimizer).__name__}.")
+        if self._partitioned:
+            self._gather([b for b in self.buckets if b.pins])
 
     # ------------------------------------------------------------------------------------------ gather/release
     def _point_params(self, b: Bucket) -> None:
         for s in b.slots:
             s.param.data = b.full[s.offset:s.offset + s.numel].view(s.shape)
 
-    def _gather(self, b: Bucket) -> None:
-        if b.full is not None:
+    def _gather(self, buckets: Sequence[Bucket]) -> None:
+        """t_param: gather the buckets not already gathered (one schedule lookup, pipelined across buckets)."""
+        todo = [b for b in buckets if b.full is None]
+        if not todo:
             return
-        b.full = self._comm.ag_intra(b.p_store) if self.strategy.p == Level.I else self._comm.ag_global(b.p_store)
-        self._point_params(b)
+        before = self.counter.sent()
+        with self.counter.term(self.schedule.param.term):
+            fulls = self._comm.run_each(self.schedule.param.collectives, [b.p_store for b in todo])
+        for b, full in zip(todo, fulls):
+            b.full = full
+            self._point_params(b)
+        self.gathered_bytes += self.counter.sent() - before
 
     def _release(self, b: Bucket) -> None:
+        if b.pins:
+            return
         b.full = None
         for s in b.slots:
             s.param.data = self._empty
-
-    def _gather_unit(self, u: int) -> None:
-        for b in self._unit_buckets[u]:
-            self._gather(b)
-
-    def _release_unit(self, u: int) -> None:
-        for b in self._unit_buckets[u]:
-            self._release(b)
 
     def _install_hooks(self) -> None:
         for s in self.slots:
             if s.trainable:
                 self._handles.append(s.param.register_post_accumulate_grad_hook(self._on_grad))
-        if self.strategy.p == Level.N:
-            return
-        for u, module in enumerate(self._units):
-            if not self._unit_buckets[u]:
-                continue
-            self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(u), with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._make_post_forward(u)))
-
-    def _make_pre_forward(self, u: int):
-        def hook(module, args, kwargs):
-            self._gather_unit(u)
-            if u != 0 and torch.is_grad_enabled():
-                inputs = [t for t in _tensors((args, kwargs)) if t.requires_grad]
-                remaining = [len(inputs)]
-
-                def on_input_grad(grad):
-                    remaining[0] -= 1
-                    if remaining[0] == 0:
-                        self._release_unit(u)  # the unit's whole backward has run
-                    return None
-
-                for t in inputs:
-                    t.register_hook(on_input_grad)
-            return None
-
-        return hook
-
-    def _make_post_forward(self, u: int):
-        def hook(module, args, output):
-            if torch.is_grad_enabled():
-                def on_output_grad(grad):
-                    self._ensure_callback()
-                    self._gather_unit(u)
-                    return None
-
-                for t in _tensors(output):
-                    if t.requires_grad and t.grad_fn is not None:
-                        t.register_hook(on_output_grad)
-            self._release_unit(u)
-            return None
-
-        return hook
+        if self._partitioned:
+            self._handles.extend(install_unit_hooks(self))
 
     # -------------------------------------------------------------------------------------------- gradients
     def _ensure_callback(self) -> None:
@@ -327,7 +269,7 @@ class ParoEngine(nn.Module):
         if grad is None:
             return
         flat = grad.reshape(-1)
-        if self.strategy.g == Level.N:
+        if not self.schedule.gradient.collectives:  # no per-micro-step reduction: accumulate the full gradient
             b.g_acc[slot.offset:slot.offset + slot.numel].add_(flat)
         else:
             if b.g_tmp is None:
@@ -338,15 +280,16 @@ class ParoEngine(nn.Module):
             self._reduce_bucket(b)
 
     def _reduce_bucket(self, b: Bucket) -> None:
-        """Per micro-step gradient reduction of one complete bucket (nothing for g=N)."""
+        """t_gradient: per micro-step reduction of one complete bucket to the g level (nothing for g=N)."""
         if b.reduced:
             return
         b.reduced = True
-        if self.strategy.g == Level.N:
+        phase = self.schedule.gradient
+        if not phase.collectives:
             return
         tmp = b.g_tmp if b.g_tmp is not None else torch.zeros(b.size, dtype=self.grad_dtype)
-        part = self._comm.rs_intra(tmp) if self.strategy.g == Level.I else self._comm.rs_global(tmp)
-        b.g_acc.add_(part)
+        with self.counter.term(phase.term):
+            b.g_acc.add_(self._comm.run(phase.collectives, tmp))
         b.g_tmp = None
 
     def _post_backward(self) -> None:
@@ -356,7 +299,7 @@ class ParoEngine(nn.Module):
             if b.trainable:
                 self._reduce_bucket(b)  # buckets with unused parameters, in the same order on every rank
                 b.arrived, b.reduced = 0, False
-        if self.strategy.p != Level.N:
+        if self._partitioned:
             for b in self.buckets:
                 self._release(b)
         self._micro_steps += 1
@@ -364,33 +307,77 @@ class ParoEngine(nn.Module):
             self._sync_gradients()
 
     def _sync_gradients(self) -> None:
-        """sync_g: accumulated gradients -> this rank's os-shard gradient (sum over ranks, then / n)."""
-        g, os_ = self.strategy.g, self.strategy.os
-        c = self._comm
+        """t_sync_g: accumulated gradients -> this rank's os-shard gradient (sum over ranks, then / n)."""
+        phase = self.schedule.sync_g
         for b in self.buckets:
             if not b.trainable:
                 continue
-            acc = b.g_acc
-            if g == Level.N and os_ == Level.N:
-                x = c.ar_global(acc)
-            elif g == Level.N and os_ == Level.I:
-                x = c.ar_inter(c.rs_intra(acc))
-            elif g == Level.N:
-                x = c.rs_global(acc)
-            elif g == Level.I:
-                x = c.ar_inter(acc) if os_ == Level.I else c.rs_inter(acc)
-            else:
-                x = acc
+            with self.counter.term(phase.term):
+                x = self._comm.run(phase.collectives, b.g_acc)
             b.master_grad = x.to(torch.float32, copy=True).div_(self.world_size * self.loss_scale)
-            acc.zero_()
-            lo, _ = self._range(os_, b)
+            b.g_acc.zero_()
+            lo, _ = self._slice(self.strategy.os, b)
             for _, a, z, piece in b.pieces:
                 piece.grad = b.master_grad[a - lo:z - lo]
         self._grads_ready = True
 
+    def _sync_params(self) -> None:
+        """t_sync_p: rebuild the p-level working slices from the updated fp32 os slices."""
+        phase = self.schedule.sync_p
+        train = [b for b in self.buckets if b.trainable]
+        if not phase.collectives:
+            if not self._master_is_param:  # p == os: a local cast; in fp32 the update already landed in place
+                for b in train:
+                    b.p_store.copy_(b.master)
+        else:
+            with self.counter.term(phase.term):
+                outs = self._comm.run_each(phase.collectives, [b.master.to(self.compute_dtype) for b in train])
+            for b, x in zip(train, outs):
+                b.p_store.copy_(x)
+        pinned = [b for b in train if b.pins]
+        if pinned and self._partitioned:  # pinned working copies follow the update
+            for b in pinned:
+                b.full = None
+            self._gather(pinned)
+
     # ------------------------------------------------------------------------------------------- public API
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def gathered(self, *modules: nn.Module) -> Iterator[None]:
+        """Collective over the engine's ranks: the parameters hold their full working values inside the block.
+
+        One gather of every p-level bucket at entry (counted as t_param traffic and in ``gathered_bytes``), none in
+        the forward/backward hooks while pinned, release at exit. Re-entrant (a bucket is gathered by the first block
+        that holds it and released by the last). Use it for generation (TRL's ``ds3_gather_for_generation=True``: one
+        gather per rollout instead of one per layer and decoding step), weight sync and inspection. A `step()` inside
+        the block re-gathers the updated parameters.
+
+        ``modules`` (optional): pin only the buckets holding parameters of these sub-modules, e.g. only the policy of
+        a policy + value wrapper for generation; the others keep gathering per call. Every rank must pass the same
+        sub-modules (the gather is collective).
+        """
+        if modules:
+            params = {id(p) for m in modules for p in m.parameters()}
+            held = [b for b in self.buckets if any(id(s.param) in params for s in b.slots)]
+        else:
+            held = list(self.buckets)
+        for b in held:
+            b.pins += 1
+        try:
+            self._gather(held)
+            yield
+        finally:
+            for b in held:
+                b.pins -= 1
+            if self._partitioned:
+                for b in held:
+                    self._release(b)
+
+    def summon_full_params(self) -> contextlib.AbstractContextManager[None]:
+        """Same as `gathered()` (the FSDP name)."""
+        return self.gathered()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -411,14 +398,23 @@ class ParoEngine(nn.Module):
     def require_backward_grad_sync(self, value: bool) -> None:
         self._sync = bool(value)
 
+    @property
+    def at_step_boundary(self) -> bool:
+        """No micro-step has run since the last `step()` (a checkpoint can be written)."""
+        return self._micro_steps == 0 and not self._grads_ready
+
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, multiplied by the dynamic loss scale under fp16."""
+        self._check_trainable("backward()")
         (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
 
-    def _os_norm_group(self):
-        return {Level.N: None, Level.I: self.topology.intra_group, Level.G: self.topology.world_group}[self.strategy.os]
+    def _check_trainable(self, what: str) -> None:
+        if self.optimizer is None:
+            raise RuntimeError(f"{what} on an inference-only engine (built with optimizer=None for a frozen model); "
+                               "build the engine with an optimizer over trainable parameters to train.")
 
     def _check_grads_ready(self, what: str) -> None:
+        self._check_trainable(what)
         if not self._grads_ready:
             raise RuntimeError(f"{what} needs synchronized gradients: run the last micro-step's backward outside "
                                "engine.no_sync() (the accumulation boundary) first.")
@@ -432,7 +428,7 @@ class ParoEngine(nn.Module):
         for b in self.buckets:
             if b.trainable:
                 sq += b.master_grad.double().pow(2).sum()
-        group = self._os_norm_group()
+        group = self._comm.group(shard_span(self.strategy.os))
         if group is not None:
             self._comm.control_all_reduce(sq, group)
         total = sq.sqrt().to(torch.float32)
@@ -476,6 +472,7 @@ class ParoEngine(nn.Module):
         self.global_step += 1
         self._micro_steps = 0
         self.last_step_bytes = self.counter.snapshot()
+        self.last_step_terms = dict(self.counter.terms)
         self.counter.reset()
         return applied
 
@@ -495,84 +492,128 @@ class ParoEngine(nn.Module):
                 b.g_tmp = None
         self._clear_grads()
 
-    def _sync_params(self) -> None:
-        """sync_p: rebuild the p-level working copy from the updated fp32 os shards."""
-        p, os_ = self.strategy.p, self.strategy.os
-        c = self._comm
-        train = [b for b in self.buckets if b.trainable]
-        srcs = [b.master.to(self.compute_dtype) for b in train]
-        if os_ == Level.N or p == os_:
-            outs = srcs
-        elif (p, os_) == (Level.N, Level.I):
-            outs = [c.ag_intra(x) for x in srcs]
-        elif (p, os_) == (Level.N, Level.G):
-            outs = c.ag_global_coalesced(srcs)
-        else:  # (I, G)
-            outs = [c.ag_inter(x) for x in srcs]
-        for b, x in zip(train, outs):
-            b.p_store.copy_(x)
-
     # ------------------------------------------------------------------------------------------ observability
     def memory_bytes(self) -> dict[str, int]:
-        """Model-state bytes held by this rank, by kind (persistent buffers only; activations and the transient
-        gathered/gradient buffers come on top)."""
+        """Model-state bytes held by this rank, by kind, each storage counted once.
+
+        ``params`` (p-level slices), ``grads`` (g-level accumulators), ``master`` (the fp32 os slices when they are
+        a separate copy: 0 in fp32, where they are views into ``params``), ``optimizer`` (the optimizer's
+        per-element state, priced per element of this rank's os slices, padding included) and their ``total``,
+        which equals ``paro_zero_backend.memory_bytes(strategy, **padded_numel, n, m, **bytes_per_element(...))``
+        once the optimizer has run a step. ``optimizer_allocated`` (not in ``total``) is what the optimizer actually
+        holds: no state for padding, plus per-tensor scalars such as Adam's ``step``. Activations and the transient
+        gathered/gradient buffers come on top.
+        """
+        train = [b for b in self.buckets if b.trainable]
         params = sum(b.p_store.numel() * b.p_store.element_size() for b in self.buckets)
-        grads = sum(b.g_acc.numel() * b.g_acc.element_size() for b in self.buckets if b.trainable)
-        master = sum(b.master.numel() * b.master.element_size() for b in self.buckets if b.trainable)
-        optim = 0
-        for state in self.optimizer.state.values():
-            for v in state.values():
-                if isinstance(v, torch.Tensor):
-                    optim += v.numel() * v.element_size()
+        grads = sum(b.g_acc.numel() * b.g_acc.element_size() for b in train)
+        master = 0 if self._master_is_param else sum(b.master.numel() * b.master.element_size() for b in train)
+        per_element, allocated, covered = 0, 0, 0
+        if self.optimizer is not None:
+            for b in train:
+                for _, _, _, piece in b.pieces:
+                    state = self.optimizer.state.get(piece, {})
+                    tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
+                    allocated += sum(v.numel() * v.element_size() for v in tensors)
+                    elementwise = [v for v in tensors if v.dim() > 0 and v.numel() == piece.numel()]
+                    if elementwise:
+                        per_element += sum(v.numel() * v.element_size() for v in elementwise)
+                        covered += piece.numel()
+        optim = round(per_element / covered * sum(b.master.numel() for b in train)) if covered else 0
         return {"params": params, "grads": grads, "master": master, "optimizer": optim,
-                "total": params + grads + master + optim}
+                "total": params + grads + master + optim, "optimizer_allocated": allocated}
 
     def padded_numel(self) -> dict[str, int]:
         """Ψ and Ψ' as laid out (bucket padding included): the sizes the traffic formulas apply to exactly."""
         return {"all": sum(b.size for b in self.buckets),
                 "trainable": sum(b.size for b in self.buckets if b.trainable)}
 
-    # --------------------------------------------------------------------------------------------- full values
+    # ------------------------------------------------------------------------------- state for checkpoints
     @contextlib.contextmanager
     def _uncounted(self) -> Iterator[None]:
-        saved = dict(self.counter.bytes), dict(self.counter.calls)
+        saved = dict(self.counter.bytes), dict(self.counter.calls), dict(self.counter.terms)
         try:
             yield
         finally:
             self.counter.bytes.update(saved[0])
             self.counter.calls.update(saved[1])
+            self.counter.terms.clear()
+            self.counter.terms.update(saved[2])
 
-    def _gather_level(self, x: torch.Tensor, level: Level) -> torch.Tensor:
-        if level == Level.N:
-            return x
-        return self._comm.ag_intra(x) if level == Level.I else self._comm.ag_global(x)
+    def shard_pieces(self) -> list[ShardPiece]:
+        """This rank's pieces of the trainable parameters' optimizer-state shards, in layout order."""
+        return [ShardPiece(s.name, s.shape, a - s.offset, z - s.offset, piece)
+                for b in self.buckets for (s, a, z, piece) in b.pieces]
 
-    @contextlib.contextmanager
-    def summon_full_params(self) -> Iterator[None]:
-        """Collective: every parameter holds its full working value inside the block (for inspection/eval)."""
+    def full_values(self, piece_values: Callable[[ShardPiece], torch.Tensor | None] | None = None
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective: ``(name, full tensor)`` per parameter (first name of tied ones), bucket by bucket.
+
+        Without ``piece_values``: the full fp32 values (trainable parameters from the master copy). With it: for the
+        trainable parameters only, the full tensor assembled from ``piece_values(piece)`` on every rank (e.g. an
+        optimizer state; a None or missing piece reads as zeros). Checkpoint traffic, not counted as a step's.
+        The yielded tensors are views into a per-bucket buffer: copy what you keep.
+        """
         with self._uncounted():
             for b in self.buckets:
-                self._gather(b)
-        try:
-            yield
-        finally:
-            if self.strategy.p != Level.N:
-                for b in self.buckets:
-                    self._release(b)
+                if piece_values is not None and not b.trainable:
+                    continue
+                if piece_values is not None:
+                    lo, _ = self._slice(self.strategy.os, b)
+                    flat = torch.zeros(b.master.numel(), dtype=torch.float32)
+                    for s, a, z, piece in b.pieces:
+                        value = piece_values(ShardPiece(s.name, s.shape, a - s.offset, z - s.offset, piece))
+                        if value is not None:
+                            flat[a - lo:z - lo].copy_(value.reshape(-1))
+                    full = self._comm.run(gather_to_full(self.strategy.os), flat)
+                elif b.trainable:
+                    full = self._comm.run(gather_to_full(self.strategy.os), b.master.float())
+                else:
+                    full = self._comm.run(gather_to_full(self.strategy.p), b.p_store.float())
+                for s in b.slots:
+                    yield s.name, full[s.offset:s.offset + s.numel].view(s.shape)
+
+    def load_full_values(self, values: Mapping[str, torch.Tensor]) -> None:
+        """Set every parameter from its full value (``values`` by parameter name, e.g. a consolidated checkpoint):
+        this rank keeps its p and os slices. Local; every rank must load the same values."""
+        for b in self.buckets:
+            full = torch.zeros(b.size, dtype=torch.float32)
+            for s in b.slots:
+                full[s.offset:s.offset + s.numel].copy_(values[s.name].reshape(-1))
+            lo, hi = self._slice(self.strategy.p, b)
+            b.p_store.copy_(full[lo:hi])
+            if b.trainable and not self._master_is_param:
+                lo, hi = self._slice(self.strategy.os, b)
+                b.master.copy_(full[lo:hi])
+        self._refresh_working_params()
+
+    def local_state(self) -> LocalState:
+        """This rank's slices and counters (see `LocalState`); the tensors are the live buffers, not copies."""
+        tensors: dict[str, torch.Tensor] = {}
+        for b in self.buckets:
+            tensors[f"bucket{b.index}.param"] = b.p_store
+            if b.trainable and not self._master_is_param:
+                tensors[f"bucket{b.index}.master"] = b.master
+        counters = {"global_step": self.global_step, "loss_scale": self.loss_scale, "good_steps": self._good_steps,
+                    "skipped_steps": self.skipped_steps}
+        return LocalState(tensors, counters)
+
+    def load_local_state(self, state: LocalState) -> None:
+        """Restore what `local_state` returned on the same rank of the same topology and strategy."""
+        for b in self.buckets:
+            b.p_store.copy_(state.tensors[f"bucket{b.index}.param"])
+            key = f"bucket{b.index}.master"
+            if b.trainable and key in state.tensors:  # absent in fp32, where the master slice is part of param
+                b.master.copy_(state.tensors[key])
+        c = state.counters
+        self.global_step, self.loss_scale = int(c["global_step"]), float(c["loss_scale"])
+        self._good_steps, self.skipped_steps = int(c["good_steps"]), int(c["skipped_steps"])
+        self._refresh_working_params()
 
     def consolidated_state_dict(self, dtype: torch.dtype | None = torch.float32) -> dict[str, torch.Tensor]:
         """Collective: full weights by parameter name (trainable ones from the fp32 master copy) plus the model's
         persistent buffers. Tied parameters appear once, under their first name."""
-        out: dict[str, torch.Tensor] = {}
-        with self._uncounted():
-            for b in self.buckets:
-                if b.trainable:
-                    full = self._gather_level(b.master, self.strategy.os)
-                else:
-                    full = self._gather_level(b.p_store, self.strategy.p)
-                for s in b.slots:
-                    t = full[s.offset:s.offset + s.numel].view(s.shape)
-                    out[s.name] = t.to(dtype, copy=True) if dtype is not None else t.clone()
+        out = {name: t.to(dtype, copy=True) if dtype is not None else t.clone() for name, t in self.full_values()}
         params = {id(p) for p in self.module.parameters()}
         for name, t in self.module.state_dict(keep_vars=True).items():
             if id(t) not in params and name not in out:
@@ -592,7 +633,7 @@ class ParoEngine(nn.Module):
         load_sharded(self, directory)
 
     def save_consolidated(self, directory: str, include_optimizer: bool = True) -> None:
-        """Collective: rank 0 writes ``model.safetensors`` (+ ``config.json`` for HF models, loadable with
+        """Collective: member 0 writes ``model.safetensors`` (+ ``config.json`` for HF models, loadable with
         ``from_pretrained``) and, optionally, the full optimizer state, loadable into any strategy/world size."""
         from .checkpoint import save_consolidated
 

@@ -65,10 +65,10 @@ def _require_hooks() -> None:
 def _check_group(group: dist.ProcessGroup | None, topology, who: str) -> None:
     """The collective's group must be the topology's world (same ranks, same order) for the block layout to match."""
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    if ranks != list(range(topology.world_size)):
+    if ranks != list(topology.ranks):
         raise ValueError(
             f"{who}: PaRO-CC got a collective over ranks {ranks}, but its topology spans ranks "
-            f"0..{topology.world_size - 1}. Only full sharding over the whole world (a 1-D device mesh) is supported; "
+            f"{list(topology.ranks)}. Only full sharding over the whole world (a 1-D device mesh) is supported; "
             "with HSDP (2-D mesh) the shard group is already inside one node, so leave PaRO-CC off there."
         )
 

@@ -4,7 +4,8 @@ A strategy is written ``P_{p g os}`` in the paper, e.g. ``"IIG"``: parameters pa
 ranks, gradients inside the group, optimizer states across all ``n`` ranks. Levels are ordered by fineness
 ``N < I < G``. The paper's validity rule is that optimizer states must be split at least as finely as both
 parameters and gradients: a coarser os copy would cost memory and save no communication. That leaves 14 of the 27
-combinations (paper §3.1, notes ``paro.md`` §3.1).
+combinations (paper §3.1). What each level means for communication is written once, in
+`paro_zero_backend.schedule`.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ class Level(enum.IntEnum):
     G = 2  # partitioned over all n ranks
 
     def divisor(self, world_size: int, group_size: int) -> int:
-        """``d(level)`` in the memory formula: 1, m or n."""
-        return {Level.N: 1, Level.I: group_size, Level.G: world_size}[self]
+        """``d(level)`` in the memory formula: 1, m or n (`paro_zero_backend.schedule.divisor`)."""
+        from .schedule import divisor  # the schedule module defines the levels' semantics and imports this one
+
+        return divisor(self, world_size, group_size)
 
 
 @dataclass(frozen=True)

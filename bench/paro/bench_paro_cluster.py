@@ -3,8 +3,8 @@
     sudo .venv/bin/python bench/paro/bench_paro_cluster.py          # writes bench/results/paro_cluster.json
 
 Set-up: two network namespaces ("nodes") x 2 ranks, gloo over TCP; the veth pair between the nodes is shaped with
-``tbf`` (`bench/emulated_cluster.py`). The intra-node bandwidth (loopback inside a namespace) is measured first and
-the inter-node rate is set to ``intra / ratio`` (default 1:50, the paper's 80 vs 2000 Gbit/s is 1:25 per GPU).
+``tbf`` (`hf_placement.testing.emulated_cluster`). The intra-node bandwidth (loopback inside a namespace) is measured
+first and the inter-node rate is set to ``intra / ratio`` (default 1:50, the paper's 80 vs 2000 Gbit/s is 1:25 per GPU).
 One GPT-2 built from a config, one global batch, ``s`` accumulation micro-steps, fp32 + AdamW everywhere.
 
 Per bandwidth setting, ONE launch of 4 ranks (`_worker.py`) runs: a collective calibration (per-link bandwidth,
@@ -32,12 +32,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
-from emulated_cluster import ClusterRunError, EmulatedCluster  # noqa: E402
-
-from paro_zero_backend import GuidelineInputs, advise  # noqa: E402
+from hf_placement.testing.emulated_cluster import ClusterRunError, EmulatedCluster  # noqa: E402
+from paro_zero_backend import GuidelineInputs, advise, bytes_per_element  # noqa: E402
 from paro_zero_backend.strategies import VALID_STRATEGY_NAMES  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "_worker.py"
@@ -131,8 +129,8 @@ def guideline(calib: dict, compute: dict, model: dict, args, num_buckets: int, b
     inputs = GuidelineInputs(
         num_params=model["params"], world_size=n, group_size=args.procs_per_node,
         bandwidth_intra_gbps=intra["bandwidth_mb_s"] * 8e-3, bandwidth_inter_gbps=inter["bandwidth_mb_s"] * 8e-3,
-        accumulation_steps=args.accumulation, compute_time_s=compute["median_step_s"] - opt, bytes_param=4,
-        bytes_grad=4, bytes_os=12, overlap=0.0, latency_intra_s=intra["latency_s"], latency_inter_s=inter["latency_s"],
+        accumulation_steps=args.accumulation, compute_time_s=compute["median_step_s"] - opt,
+        **bytes_per_element(), overlap=0.0, latency_intra_s=intra["latency_s"], latency_inter_s=inter["latency_s"],
         num_buckets=num_buckets, reduce_scatter_factor=inter["reduce_scatter_factor"],
         all_reduce_factor=inter["all_reduce_factor"], optimizer_time_s=opt)
     return advise(inputs)

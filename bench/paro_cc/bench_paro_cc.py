@@ -31,9 +31,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-sys.path.insert(0, str(HERE.parent))
-
-from emulated_cluster import EmulatedCluster  # noqa: E402
+from hf_placement.testing.emulated_cluster import EmulatedCluster  # noqa: E402
 
 
 def _versions() -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""PPO placement benchmark on CPU gloo ranks, with the protocol of `rlhf_placement.md` §4.5.
+"""PPO placement benchmark on CPU gloo ranks: every plan the planner can recommend on 2 ranks, measured side by side.
 
     .venv/bin/python bench/placement/bench_placement.py            # full sweep, writes bench/results/placement.json
     .venv/bin/python bench/placement/bench_placement.py --quick    # two small configurations (smoke run)
@@ -6,40 +6,45 @@
 Protocol:
 
 - pre-flight: load average and the parallel efficiency of two single-thread matmul processes
-  (`hf_placement.calibrate.parallel_efficiency`), stated with the results; each rank is pinned to its own core;
+  (`hf_placement.planner.calibrate.parallel_efficiency`), stated with the results; each rank is pinned to its own
+  core;
 - fixed budget: 2 processes, 1 torch thread each, the same global batch, micro-batches, response length (no stop
   token: every strategy generates exactly ``response_length`` tokens), PPO epochs and seeds for every strategy;
 - all strategies live in the same two processes and run their iterations interleaved (A B C D, D C B A, ...) so
   drift hits them alike; 3 warm-up rounds (with 1, the small configurations still ran 1.6-2.1x slower in their first
   timed rounds), then medians (and IQR) of >= 5 timed iterations (11 for the configurations whose iterations take
   under a second: their round-to-round spread on a shared host is up to 2x);
-- strategies: ``colocated`` (TRL: every model on every rank, data parallel), ``interleaved`` (ref on rank 0, reward
-  on rank 1), ``disaggregated`` (trainer rank 0, generator rank 1, synchronous: staleness 0, same update as
-  colocated) and ``disaggregated-async`` (staleness 1: the next batch is generated while this one trains);
-- memory cap: a per-rank model-state budget (``cap_phi`` x parameters of one model, fp32 + Adam). A strategy whose
-  plan does not fit shards its models ZeRO-3-style inside its group (`hf_placement.ShardedModule`): with the cap
-  between 36 and 40 Φ only All-colocated must shard (40 Φ unsharded vs 36 Φ interleaved, 32 Φ / 16 Φ disaggregated);
+- strategies: the planner's candidates for 2 ranks (`hf_placement.planner.candidate_plans(2)`): ``colocated`` (TRL:
+  every model on every rank, data parallel), ``colocated-sharded`` (the four models ZeRO-3-sharded, ``"GGG"``, on
+  the PaRO engine), ``interleaved`` (ref on rank 0, reward on rank 1), ``interleaved-sharded`` (actor and critic
+  ZeRO-3-sharded over both ranks; ref and reward each live on one rank, nothing to shard), ``disaggregated``
+  (trainer rank 0, generator rank 1, synchronous: staleness 0, same update as colocated) and
+  ``disaggregated-async`` (staleness 1: the next batch is generated while this one trains);
+- memory cap: a per-rank model-state budget (``cap_phi`` x parameters of one model, fp32 + Adam). Every strategy is
+  measured; the accountant (`hf_placement.planner.model_state_bytes`) says which fit. With the cap between 36 and
+  40 Φ only plain co-location does not fit (40 Φ vs 36 Φ interleaved, 32 Φ / 16 Φ disaggregated, 20 Φ for both
+  sharded plans), so the capped comparison's co-located baseline is ``colocated-sharded``;
 - reported per strategy: samples/s, per-phase seconds and idle seconds per rank, analytic and measured model-state
   bytes per rank, parameter bytes all-gathered per iteration;
-- planner check: `hf_placement.cost_model.estimate` with the CPU constant set and inputs measured INSIDE the same two
+- planner check: `hf_placement.planner.estimate` with the CPU constant set and inputs measured INSIDE the same two
   processes, each taking its own slot in every round of the interleaved order (A B C D cal links / links cal D C B A):
   the phase times of ONE process and the link constants. Every rank holds two PPO trainers on a 1-rank group (the
   whole batch and half of it, with the placed runs' rollout chunk and training micro-batch); rank 0 runs an iteration
   of each while rank 1 waits (alone), then both ranks run one at once (concurrent). That gives `Calibration`: fixed
   and per-sample work per phase, and each phase's slowdown when both ranks compute (never the placed runs). The links
-  are the ranks' own gloo group, at the sizes the plans move (`hf_placement.calibrate.time_collectives`: latency, and
-  all-gather and reduce-scatter bandwidth of one model's weights over the ranks) and the replicated plans' gradient
-  sync timed as the trainer runs it (flatten actor + critic gradients, all-reduce, copy back). The planner gets the
-  medians over the timed rounds. What each of these fixed, in earlier sweeps: calibrating in separate processes before
-  and after each configuration left the planner up to 0.4 off when the host's speed moved in between; a matmul loop's
-  parallel efficiency read 0.91 while two co-located ranks generated ~2x slower than one alone (base); link constants
-  measured once per sweep (0.18 GB/s) predicted the sharded co-located plan 56% too slow on capped-large-model
-  (measured in the loop: 0.41 GB/s, 6%), and measured at 8 MB rather than at the plans' size left capped-xl-model's
-  sharded plan 28% too fast (at the plans' size: 8%); a bare all-reduce of large-model's 57 MB gradient bucket (0.67
-  GB/s, ~85 ms) left its co-located plan 20% too fast and the planner's pick 32% off, while its training spent ~220 ms
-  per optimizer step beyond the single-process compute; a calibration trainer with micro-batches twice the placed
-  runs' trained the whole batch ~25% faster than the disaggregated trainer does. The summary gives the maximum
-  relative error and the regret of the planner's pick per configuration.
+  are the ranks' own gloo group, at the sizes the plans move (`hf_placement.planner.calibrate.time_collectives`:
+  latency, and all-gather and reduce-scatter bandwidth of one model's weights over the ranks) and the replicated
+  plans' gradient sync timed as the trainer runs it (flatten actor + critic gradients, all-reduce, copy back). The
+  planner gets the medians over the timed rounds. What each of these fixed, in earlier sweeps: calibrating in separate
+  processes before and after each configuration left the planner up to 0.4 off when the host's speed moved in between;
+  a matmul loop's parallel efficiency read 0.91 while two co-located ranks generated ~2x slower than one alone (base);
+  link constants measured once per sweep (0.18 GB/s) predicted the sharded co-located plan 56% too slow on
+  capped-large-model (measured in the loop: 0.41 GB/s, 6%), and measured at 8 MB rather than at the plans' size left
+  capped-xl-model's sharded plan 28% too fast (at the plans' size: 8%); a bare all-reduce of large-model's 57 MB
+  gradient bucket (0.67 GB/s, ~85 ms) left its co-located plan 20% too fast and the planner's pick 32% off, while its
+  training spent ~220 ms per optimizer step beyond the single-process compute; a calibration trainer with
+  micro-batches twice the placed runs' trained the whole batch ~25% faster than the disaggregated trainer does. The
+  summary gives the maximum relative error and the regret of the planner's pick per configuration.
 """
 
 from __future__ import annotations
@@ -60,7 +65,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 PROMPT_LEN = 8
-STRATEGIES = ("colocated", "interleaved", "disaggregated", "disaggregated-async")
+STRATEGIES = ("colocated", "colocated-sharded", "interleaved", "interleaved-sharded", "disaggregated",
+              "disaggregated-async")
+# the planner's candidate each strategy runs (the async one is the same plan at staleness 1)
+CANDIDATE = {"disaggregated": "disaggregated-1t1i", "disaggregated-async": "disaggregated-1t1i"}
 LINK_LATENCY_BYTES = 1 << 10
 
 # One axis at a time around a base point, then the memory-capped regime at two model sizes. ``iters``: timed
@@ -109,24 +117,11 @@ def _args(cfg: dict[str, Any], out: str, world: int, rounds: int, max_staleness:
     )
 
 
-def _plan(strategy: str, world: int, cap_bytes: float | None, phi: float):
-    """The plan of ``strategy``; under a cap, a plan that does not fit shards its models inside its groups."""
-    from hf_placement import PlacementPlan, shard_verdict
+def _plan(strategy: str, world: int):
+    """The planner's candidate plan behind ``strategy``."""
+    from hf_placement.planner import candidate_plans
 
-    if strategy == "colocated":
-        plan = PlacementPlan.colocated(world)
-    elif strategy == "interleaved":
-        plan = PlacementPlan.interleaved(world)
-    else:
-        plan = PlacementPlan.disaggregated(world)
-    if cap_bytes is not None:
-        verdict = shard_verdict(plan, {"actor": phi}, cap_bytes)
-        if verdict.must_shard:
-            if strategy != "colocated":
-                raise ValueError(f"{strategy} does not fit the cap {cap_bytes:.3g} B; this benchmark shards only "
-                                 "All-colocated. Raise cap_phi.")
-            plan = PlacementPlan.colocated(world, sharded=True)
-    return plan
+    return dict(candidate_plans(world))[CANDIDATE.get(strategy, strategy)]
 
 
 def _count_params(cfg: dict[str, Any]) -> int:
@@ -149,8 +144,9 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any], out_dir: str, warmup
                 cap_bytes: float | None, phi: float) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from hf_placement import is_wait, model_state_bytes, resident_bytes
-    from hf_placement.calibrate import time_collectives
+    from hf_placement.planner import model_state_bytes
+    from hf_placement.planner.calibrate import time_collectives
+    from hf_placement.runtime import is_wait, resident_bytes
     from trl_trainers import PPOTrainer
 
     torch.set_num_threads(1)
@@ -178,7 +174,7 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any], out_dir: str, warmup
     trainers = {}
     for strategy in STRATEGIES:
         tok, models, data = _parts(cfg)
-        plan = _plan(strategy, world, cap_bytes, phi)
+        plan = _plan(strategy, world)
         args = _args(cfg, f"{out_dir}/{strategy}", world, rounds, int(strategy == "disaggregated-async"))
         t = PPOTrainer(args, tok, models["policy"], None, models["reward"], data, models["value"], placement=plan)
         t.callback_handler.callbacks = []
@@ -219,9 +215,13 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any], out_dir: str, warmup
             res[strategy]["idle_s"].append(max(0.0, wall - busy))
     for strategy, t in trainers.items():
         t.executor.finish(rounds + 1)
-        gathered = t.executor.bytes_gathered() if hasattr(t.executor, "bytes_gathered") else 0
+        gathered = t.executor.bytes_gathered()
         analytic = model_state_bytes(t.plan, {"actor": phi}).rank_bytes(rank)
-        held = resident_bytes([t.model.policy, t.model.value_model, t.ref_model, t.reward_model], t.optimizer)
+        # whole models: their live tensors; sharded roles: what their PaRO engines hold (shards, gradients, Adam)
+        sharded = t.sharding.model_state_bytes()
+        whole = [m for role, m in (("actor", t.model.policy), ("critic", t.model.value_model), ("ref", t.ref_model),
+                                   ("reward", t.reward_model)) if role not in t.sharding.engines]
+        held = resident_bytes(whole, None if "actor" in t.sharding.engines else t.optimizer) + sum(sharded.values())
         res[strategy].update(plan=t.plan.to_dict(), analytic_bytes=analytic, resident_bytes=held,
                              gathered_bytes_per_iter=gathered / rounds, trains=t.is_training_rank)
     res["calibration"], res["links"] = cal_times, link_times
@@ -289,7 +289,8 @@ def _time_calibration_round(calibrators: dict[str, Any], update: int) -> dict[st
 
 def _predict(cfg: dict[str, Any], plans: dict[str, dict], phi: float, calibration: Any, links: dict[str, float],
              cap_bytes: float | None) -> dict[str, dict[str, Any]]:
-    from hf_placement import Hardware, PlacementPlan, Workload, estimate
+    from hf_placement import PlacementPlan
+    from hf_placement.planner import Hardware, Workload, estimate
 
     # the concurrent calibration stands in for the parallel efficiency (left at 1)
     hw = Hardware.cpu(2, link_bandwidth=links["bandwidth"], link_latency_s=links["latency"],
@@ -314,7 +315,7 @@ def _iqr(values: list[float]) -> float:
 
 
 def preflight(seconds: float) -> dict[str, Any]:
-    from hf_placement.calibrate import parallel_efficiency
+    from hf_placement.planner.calibrate import parallel_efficiency
 
     load = os.getloadavg()
     eff = parallel_efficiency(2, seconds=seconds)
@@ -327,7 +328,7 @@ def preflight(seconds: float) -> dict[str, Any]:
 
 
 def measure_link_constants() -> dict[str, float]:
-    from hf_placement.calibrate import measure_links
+    from hf_placement.planner.calibrate import measure_links
 
     links = measure_links(2, sizes=(1 << 10, 8 << 20), repeats=3)
     latency = links["fit"]["p2p"]["latency_s"]
@@ -342,8 +343,9 @@ def run(configs: list[dict[str, Any]], warmup: int, iters: int | None, out_path:
     import tempfile
     from dataclasses import fields
 
-    from hf_placement import Calibration, compare_to_measured, run_distributed
-    from hf_placement.calibrate import fit_links
+    from hf_placement import run_distributed
+    from hf_placement.planner import Calibration, compare_to_measured
+    from hf_placement.planner.calibrate import fit_links
 
     start = time.perf_counter()
     pre = preflight(eff_seconds)
@@ -398,8 +400,18 @@ def run(configs: list[dict[str, Any]], warmup: int, iters: int | None, out_path:
         plans = {s: entry["strategies"][s]["plan"] for s in STRATEGIES}
         entry["predicted"] = _predict(cfg, plans, phi, calibration, links_used, cap)
         measured = {s: entry["strategies"][s]["iter_s_median"] for s in STRATEGIES}
-        entry["planner"] = compare_to_measured({s: entry["predicted"][s]["time_s"] for s in STRATEGIES}, measured)
-        col = entry["strategies"]["colocated"]["samples_per_s"]
+        predicted = {s: entry["predicted"][s]["time_s"] for s in STRATEGIES}
+        fitting = [s for s in STRATEGIES if entry["predicted"][s]["fits"]]
+        # errors over every measured plan; the pick (and its regret) among the plans that fit the cap, as the
+        # planner ranks them
+        entry["planner"] = compare_to_measured(predicted, measured)
+        pick = compare_to_measured({s: predicted[s] for s in fitting}, {s: measured[s] for s in fitting})
+        entry["planner"].update(pick=pick["pick"], measured_best=pick["measured_best"],
+                                pick_regret=pick["pick_regret"], candidates=fitting)
+        # the co-located baseline: plain co-location, or its sharded form where plain co-location breaks the cap
+        baseline = "colocated" if entry["predicted"]["colocated"]["fits"] else "colocated-sharded"
+        col = entry["strategies"][baseline]["samples_per_s"]
+        entry["colocated_baseline"] = baseline
         entry["vs_colocated"] = {s: entry["strategies"][s]["samples_per_s"] / col for s in STRATEGIES}
         results.append(entry)
         _print_config(entry)
@@ -424,13 +436,22 @@ def _report(results: list[dict], pre: dict, links: dict, warmup: int, start: flo
 
     capped = [e for e in results if e["config"]["cap_phi"]]
     uncapped = [e for e in results if not e["config"]["cap_phi"]]
-    others = [s for s in STRATEGIES if s != "colocated"]
+    def others(e: dict[str, Any]) -> list[str]:
+        """Interleaved and disaggregated plans that fit (the co-located ones are the baseline)."""
+        return [s for s in STRATEGIES if not s.startswith("colocated") and e["predicted"][s]["fits"]]
+
     summary = {
-        "capped_best_vs_colocated": max((max(e["vs_colocated"][s] for s in others) for e in capped), default=None),
-        "capped_best_vs_colocated_per_config": {e["config"]["name"]: max(e["vs_colocated"][s] for s in others)
+        "capped_best_vs_colocated": max((max(e["vs_colocated"][s] for s in others(e)) for e in capped),
+                                        default=None),
+        "capped_best_vs_colocated_per_config": {e["config"]["name"]: max(e["vs_colocated"][s] for s in others(e))
                                                 for e in capped},
-        "uncapped_worst_vs_colocated": min((min(e["vs_colocated"][s] for s in others) for e in uncapped),
+        "capped_colocated_sharded_vs_best_fitting_colocated": {
+            e["config"]["name"]: e["vs_colocated"]["colocated-sharded"] for e in capped},
+        "uncapped_worst_vs_colocated": min((min(e["vs_colocated"][s] for s in others(e)) for e in uncapped),
                                            default=None),
+        "uncapped_sharded_vs_colocated": {e["config"]["name"]: {s: e["vs_colocated"][s] for s in
+                                                                ("colocated-sharded", "interleaved-sharded")}
+                                          for e in uncapped},
         "uncapped_worst_vs_colocated_sync_only": min(
             (min(e["vs_colocated"][s] for s in ("interleaved", "disaggregated")) for e in uncapped), default=None),
         "planner_max_rel_error": max(e["planner"]["max_rel_error"] for e in results),
@@ -459,7 +480,7 @@ def _report(results: list[dict], pre: dict, links: dict, warmup: int, start: flo
         "preflight": pre, "links": {k: v for k, v in links.items() if k != "raw"}, "links_raw": links["raw"],
         "protocol": {"processes": 2, "threads_per_process": 1, "warmup_rounds": warmup,
                      "timed_iterations": {e["config"]["name"]: e["config"]["iters"] for e in results},
-                     "order": "interleaved A B C D cal links / links cal D C B A", "ppo_epochs": 2,
+                     "order": "interleaved A B C D E F cal links / links cal F E D C B A", "ppo_epochs": 2,
                      "num_mini_batches": 2,
                      "prompt_len": PROMPT_LEN, "stop_token": None, "strategies": list(STRATEGIES)},
         "configs": results,
@@ -472,13 +493,13 @@ def _print_config(e: dict[str, Any]) -> None:
     cap = f"cap {c['cap_phi']} Φ = {c['cap_bytes'] / 1e6:.1f} MB" if c["cap_phi"] else "no cap"
     print(f"\n== {c['name']}: {c['params_per_model'] / 1e6:.2f} M params/model, batch {c['batch']}, response "
           f"{c['response']}, {cap}")
-    print(f"{'strategy':<21}{'iter s':>8}{'IQR':>7}{'pred s':>8}{'samples/s':>10}{'vs col':>7}  "
+    print(f"{'strategy':<30}{'iter s':>8}{'IQR':>7}{'pred s':>8}{'samples/s':>10}{'vs col':>7}  "
           f"{'state MB r0/r1':>15}{'gathered MB':>12}  phases r0 | r1 (s), idle r0/r1")
     for s, v in e["strategies"].items():
         r0, r1 = v["ranks"]
         ph = " | ".join(", ".join(f"{k} {x:.2f}" for k, x in r["phases_s"].items() if x >= 0.01) for r in (r0, r1))
-        name = s + (" (sharded)" if v["sharded"] else "")
-        print(f"{name:<21}{v['iter_s_median']:>8.2f}{v['iter_s_iqr']:>7.2f}{e['predicted'][s]['time_s']:>8.2f}"
+        name = s + ("" if e["predicted"][s]["fits"] else " (over cap)")
+        print(f"{name:<30}{v['iter_s_median']:>8.2f}{v['iter_s_iqr']:>7.2f}{e['predicted'][s]['time_s']:>8.2f}"
               f"{v['samples_per_s']:>10.2f}{e['vs_colocated'][s]:>7.2f}  "
               f"{r0['analytic_model_state_bytes'] / 1e6:>7.1f}/{r1['analytic_model_state_bytes'] / 1e6:<7.1f}"
               f"{(r0['gathered_bytes_per_iter']) / 1e6:>12.1f}  {ph}; idle {r0['idle_s']:.2f}/{r1['idle_s']:.2f}")
@@ -488,8 +509,9 @@ def _print_config(e: dict[str, Any]) -> None:
           f"reduce-scatter {lk['reduce_scatter_bandwidth'] / 1e9:.2f}, all-reduce "
           f"{lk['all_reduce_bandwidth'] / 1e9:.2f} GB/s, latency {lk['latency'] * 1e3:.2f} ms")
     p = e["planner"]
-    print(f"planner: pick {p['pick']}, measured best {p['measured_best']}, regret {p['pick_regret']:.1%}, max rel "
-          f"error {p['max_rel_error']:.1%}")
+    print(f"planner: pick {p['pick']}, measured best {p['measured_best']} (among plans within the cap), regret "
+          f"{p['pick_regret']:.1%}, max rel error {p['max_rel_error']:.1%}; co-located baseline "
+          f"{e['colocated_baseline']}")
 
 
 def _print_summary(summary: dict[str, Any], out_path: Path) -> None:

@@ -14,15 +14,18 @@ import os
 
 import torch.distributed as dist
 
-from paro_zero_backend import ParoConfig, ParoEngine
+from paro_zero_backend import ParoConfig, ParoEngine, resolve_strategy
 from paro_zero_backend.testing import make_adamw, make_batches, tiny_gpt2
 
 
 def train(rank: int, world: int, args: argparse.Namespace) -> str:
     model = tiny_gpt2()
-    engine = ParoEngine(model, make_adamw(model.parameters()),
-                        ParoConfig(strategy=args.strategy, group_size=args.group_size,
-                                   mixed_precision=args.mixed_precision, max_grad_norm=args.max_grad_norm))
+    config = ParoConfig(strategy=args.strategy, group_size=args.group_size, mixed_precision=args.mixed_precision,
+                        max_grad_norm=args.max_grad_norm, gradient_accumulation_steps=args.accumulation)
+    resolved = resolve_strategy(config, model)  # "auto": the guideline picks, with measured bandwidths
+    if resolved.guideline is not None and rank == 0:
+        print(resolved.guideline.format(), flush=True)
+    engine = ParoEngine(model, make_adamw(model.parameters()), resolved.config)
     data = make_batches(args.steps, args.accumulation, world)
     for step in range(args.steps):
         total = 0.0

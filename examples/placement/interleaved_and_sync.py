@@ -19,13 +19,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hf_placement import (
-    PlacementPlan,
+from hf_placement import PlacementPlan, build_role_groups
+from hf_placement.runtime import (
     RoleCall,
     RoleHandle,
     Timeline,
     WeightSync,
-    build_role_groups,
     gather_timelines,
     plot_timeline,
     run_concurrently,

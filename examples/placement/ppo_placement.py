@@ -61,7 +61,7 @@ def train_rank(rank: int, world_size: int, placement: str, out_dir: str, iterati
     """Train under ``placement``; every rank returns its summary, rank 0 writes the timeline PNG and trace."""
     import torch
 
-    from hf_placement import plot_timeline, summarize_timelines, write_chrome_trace
+    from hf_placement.runtime import plot_timeline, summarize_timelines, write_chrome_trace
 
     torch.set_num_threads(1)
     label = Path(placement).stem

@@ -8,17 +8,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hf_placement import (
-    Hardware,
-    PlacementPlan,
+from hf_placement import PlacementPlan, build_role_groups, run_distributed
+from hf_placement.planner import Hardware, Workload, rank_plans
+from hf_placement.runtime import (
     Timeline,
     WeightSync,
-    Workload,
-    build_role_groups,
     gather_timelines,
     plot_timeline,
-    rank_plans,
-    run_distributed,
     summarize_timelines,
     write_chrome_trace,
 )

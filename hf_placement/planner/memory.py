@@ -106,8 +106,10 @@ def role_state_bytes(plan: PlacementPlan, role: str, sizes: ModelSizes, precisio
     if role in TRAINED_ROLES:
         trained = psi * (sizes.lora_fraction or 1.0)
         total = psi + (trained if sizes.lora_fraction is not None else 0.0)  # base weights + adapter weights
-    strategy = plan.sharded_roles.get(role, "NNN")
     n = len(plan.ranks(role))
+    if role not in plan.sharded_roles:  # replicated: every rank holds everything (the intra group does not matter)
+        return float(paro_memory_bytes("NNN", total, trained, n, n, weights, grads, optim)["total"])
+    strategy = plan.sharded_roles[role]
     m = plan.role_group_size(role, ranks_per_node)
     return float(paro_memory_bytes(strategy, total, trained, n, m, weights, grads, optim)["total"])
 

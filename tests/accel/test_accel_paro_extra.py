@@ -1,4 +1,4 @@
-"""ParoPlugin(strategy="auto") asks the guideline with bandwidths the engine measures itself; fp16 mixed precision
+"""ParoPlugin(strategy="auto") is resolved by ParoAccelerator.prepare with measured bandwidths; fp16 mixed precision
 through `ParoTrainer` (TrainingArguments.fp16 -> fp16 compute with dynamic loss scaling and fp32 master weights)
 stays close to the fp32 DDP run. Both on 2 gloo CPU ranks in ONE `run_distributed` call."""
 
@@ -55,12 +55,12 @@ def _worker(rank, world_size, root):
     from accelerate_plugins import ParoAccelerator, ParoPlugin
 
     res = {}
-    # strategy="auto" without bandwidths: the engine times intra/inter all-gathers and feeds the guideline.
+    # strategy="auto" without bandwidths: prepare() times intra/inter all-gathers and feeds the guideline.
     acc = ParoAccelerator(cpu=True, gradient_accumulation_steps=4, paro_plugin=ParoPlugin(strategy="auto",
                                                                                           group_size=1))
     model = tiny_gpt2()
     engine, _ = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-    table = engine.guideline
+    table = acc.paro_guideline
     res["auto"] = {"strategy": engine.strategy.name, "inputs": asdict(table.inputs),
                    "recommended": table.recommended}
     engine.remove_hooks()

@@ -1,5 +1,6 @@
-"""`paro launch` (python -m paro_zero_backend launch): the PaRO file is checked, PARO_CONFIG_FILE / PARO_<FIELD> are
-exported and an ordinary `accelerate launch --config_file acc.yaml script.py` runs 2 CPU processes on the engine."""
+"""`paro launch` (python -m accelerate_plugins launch): the PaRO file is checked, PARO_CONFIG_FILE / PARO_<FIELD> are
+exported and an ordinary `accelerate launch --config_file acc.yaml script.py` runs 2 CPU processes on the engine. The
+`paro` console script dispatches `launch` here and `advise` to the engine's CLI, which itself knows no `launch`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from paro_zero_backend.__main__ import main
+from accelerate_plugins.cli import main, paro_main
 
 ROOT = Path(__file__).resolve().parents[2]
 ACC_YAML = """compute_environment: LOCAL_MACHINE
@@ -45,6 +46,25 @@ def test_bad_paro_settings_fail_before_launching(tmp_path, content, args, match)
         main(["launch", "--paro-config", str(paro), *args, "--dry-run", "--", "train.py"])
 
 
+def test_paro_script_dispatches_and_the_engine_cli_points_to_launch(tmp_path, capsys):
+    paro = tmp_path / "paro.yaml"
+    paro.write_text("strategy: IIG\n")
+    assert paro_main(["launch", "--paro-config", str(paro), "--dry-run", "--", "train.py"]) == 0
+    assert "paro launch: IIG" in capsys.readouterr().out
+    assert paro_main(["advise", "--num-params", "1e9", "-n", "4", "-m", "2", "--intra-gbps", "100",
+                      "--inter-gbps", "10"]) == 0
+    assert "recommended:" in capsys.readouterr().out
+    assert paro_main(["--help"]) == 0 and "advise" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["launch", "--help"])
+    assert "--paro-config" in capsys.readouterr().out
+    proc = subprocess.run([sys.executable, "-m", "paro_zero_backend", "launch", "--paro-config", str(paro)],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2
+    assert "paro launch" in proc.stderr and "python -m accelerate_plugins launch" in proc.stderr
+
+
 def test_missing_file_and_missing_script(tmp_path):
     with pytest.raises(SystemExit, match="does not exist"):
         main(["launch", "--paro-config", str(tmp_path / "nope.yaml"), "--", "train.py"])
@@ -63,7 +83,7 @@ def test_launch_runs_accelerate_with_two_cpu_processes(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     env = {k: v for k, v in env.items() if not k.startswith("PARO_")}
     proc = subprocess.run(
-        [sys.executable, "-m", "paro_zero_backend", "launch", "--paro-config", str(tmp_path / "paro.yaml"),
+        [sys.executable, "-m", "accelerate_plugins", "launch", "--paro-config", str(tmp_path / "paro.yaml"),
          "--set", "strategy=NII", "--", "--config_file", str(tmp_path / "acc.yaml"),
          str(ROOT / "examples" / "paro" / "accelerate_loop.py"), "--output_dir", str(tmp_path / "out"),
          "--steps", "2"],

@@ -20,6 +20,7 @@ from hf_placement import find_free_port, run_distributed
 from paro_zero_backend import (
     ParoConfig,
     ParoEngine,
+    bytes_per_element,
     flat_all_gather,
     flat_all_reduce,
     flat_reduce_scatter,
@@ -27,7 +28,9 @@ from paro_zero_backend import (
     hierarchical_all_gather_coalesced,
     hierarchical_all_reduce,
     hierarchical_reduce_scatter,
+    memory_bytes,
     parse_strategy,
+    resolve_strategy,
     traffic,
 )
 from paro_zero_backend.strategies import VALID_STRATEGY_NAMES
@@ -62,27 +65,31 @@ def _freeze(model, names=FROZEN):
     return model
 
 
-def _expected_memory(engine) -> dict[str, int]:
-    st, n, m = engine.strategy, engine.world_size, engine.group_size
-    psi = sum(b.size for b in engine.buckets)
-    psi_t = sum(b.size for b in engine.buckets if b.trainable)
-    return {"params": 4 * psi // st.p.divisor(n, m), "grads": 4 * psi_t // st.g.divisor(n, m),
-            "master": 4 * psi_t // st.os.divisor(n, m)}
+TERMS = ("t_param", "t_gradient", "t_sync_g", "t_sync_p")
 
 
 def _counter_checks(engine) -> dict:
     pad = engine.padded_numel()
-    want = traffic(engine.strategy, pad["all"], pad["trainable"], engine.world_size, engine.group_size, ACCUM,
-                   bytes_param=4, bytes_grad=4, paro_cc=engine.config.paro_cc)
-    got = engine.last_step_bytes
+    n, m = engine.world_size, engine.group_size
+    want = traffic(engine.strategy, pad["all"], pad["trainable"], n, m, ACCUM, bytes_param=4, bytes_grad=4,
+                   paro_cc=engine.config.paro_cc)
     mem = engine.memory_bytes()
-    pieces = [piece for b in engine.buckets for (_, _, _, piece) in b.pieces]
+    st = engine.strategy
+    pieces = [p.tensor for p in engine.shard_pieces()]
     return {
-        "traffic_got": {k: got[k] for k in ("intra", "inter", "flat")},
+        "traffic_got": {k: engine.last_step_bytes[k] for k in ("intra", "inter", "flat")},
         "traffic_want": {k: want[k] for k in ("intra", "inter", "flat")},
-        "memory_got": {k: mem[k] for k in ("params", "grads", "master")},
-        "memory_want": _expected_memory(engine),
-        "optimizer_bytes": mem["optimizer"],
+        # the byte counters split by schedule term equal each term's formula
+        "terms_got": {t: v for t, v in engine.last_step_terms.items() if v},
+        "terms_want": {t: int(round(sum(want[t].values()))) for t in TERMS if sum(want[t].values()) > 0},
+        # fp32 + AdamW: 4/d(p) + 4/d(g) + 8/d(os) bytes per (padded) element, the master slice aliasing the params
+        "memory_got": {k: mem[k] for k in ("params", "grads", "master", "optimizer", "total")},
+        "memory_want": {"params": 4 * pad["all"] // st.p.divisor(n, m),
+                        "grads": 4 * pad["trainable"] // st.g.divisor(n, m), "master": 0,
+                        "optimizer": 8 * pad["trainable"] // st.os.divisor(n, m),
+                        "total": int(memory_bytes(st, pad["all"], pad["trainable"], n, m,
+                                                  **bytes_per_element())["total"])},
+        "optimizer_bytes": mem["optimizer_allocated"],
         "optimizer_want": 8 * sum(p.numel() for p in pieces) + 4 * len(pieces),
         "piece_elements": sum(p.numel() for p in pieces),
     }
@@ -122,6 +129,9 @@ def _suite(rank: int, world: int, data, refs, tmp: str) -> dict:
     for st in ("NNN", "NIG", "IIG", "GGG"):
         engine, _ = _train(st, 2, data, mixed_precision="bf16")
         out["bf16"][st] = _np(engine.consolidated_state_dict())
+        pad = engine.padded_numel()
+        out.setdefault("bf16_memory", {})[st] = (engine.memory_bytes()["total"], memory_bytes(
+            st, pad["all"], pad["trainable"], WORLD, 2, **bytes_per_element("bf16"))["total"])
         out["bf16_dtype"] = str(next(p for p in engine.module.parameters() if p.numel() > 0).dtype) \
             if engine.strategy.p.name == "N" else out.get("bf16_dtype")
     engine, losses = _train("IIG", 2, data, mixed_precision="fp16")
@@ -133,12 +143,13 @@ def _suite(rank: int, world: int, data, refs, tmp: str) -> dict:
     applied = engine.step()
     out["fp16_overflow"] = (applied, engine.loss_scale / scale,
                             all(torch.equal(before[k], v) for k, v in engine.consolidated_state_dict().items()))
-    # strategy="auto": the guideline picks a strategy from the real model size (given and measured bandwidths).
+    # strategy="auto": resolved before the engine, from the real model size (given and measured bandwidths).
     auto = {}
     for kwargs in ({"bandwidth_intra_gbps": 100.0, "bandwidth_inter_gbps": 1.0, "gradient_accumulation_steps": 3},
                    {"device_memory_gb": 1.0}):
         model = tiny_gpt2()
-        eng = ParoEngine(model, make_adamw(model.parameters()), ParoConfig(strategy="auto", group_size=2, **kwargs))
+        resolved = resolve_strategy(ParoConfig(strategy="auto", group_size=2, **kwargs), model)
+        eng = ParoEngine(model, make_adamw(model.parameters()), resolved.config)
         auto[len(auto)] = eng.strategy.name
         eng.remove_hooks()
     out["auto"] = auto
@@ -247,6 +258,7 @@ def test_counters_equal_closed_form_formulas(suite, m):
         for st in VALID_STRATEGY_NAMES:
             c = res["counters"][(m, st)]
             assert c["traffic_got"] == {k: int(round(v)) for k, v in c["traffic_want"].items()}, (r, m, st, c)
+            assert c["terms_got"] == c["terms_want"], (r, m, st, c)
             assert c["memory_got"] == c["memory_want"], (r, m, st, c)
             assert c["optimizer_bytes"] == c["optimizer_want"], (r, m, st, c)
     # Each trainable element's optimizer state lives on n / d(os) ranks.
@@ -297,6 +309,8 @@ def test_bf16_mixed_precision(suite):
     ref = suite["refs"]["full"]
     init = {k: v.detach().numpy() for k, v in tiny_gpt2().named_parameters()}
     assert res["bf16_dtype"] == "torch.bfloat16"
+    for st, (got, want) in res["bf16_memory"].items():  # 2/d(p) + 2/d(g) + (4 master + 8 AdamW)/d(os)
+        assert got == want, (st, got, want)
     for st, got in res["bf16"].items():
         for k in ref:
             upd_ref = ref[k] - init[k]

@@ -15,17 +15,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hf_placement import (
+from hf_placement import PlacementPlan, build_role_groups
+from hf_placement.runtime import (
     Channel,
     ChannelError,
     ChannelTimeoutError,
-    PlacementPlan,
     RoleCall,
     RoleHandle,
     Timeline,
     WeightSync,
     WeightSyncError,
-    build_role_groups,
     gather_timelines,
     plot_timeline,
     run_concurrently,

@@ -18,14 +18,14 @@ from hf_placement.testing import run_distributed
 pytestmark = pytest.mark.distributed
 
 
-def _sizes(trainer) -> dict[str, float]:
+def _sizes() -> dict[str, float]:
     """Parameter counts of the four models, as the accountant takes them (the ref is a copy of the policy)."""
     from trl_trainers.testing import char_tokenizer, tiny_causal_lm, tiny_value_model
 
     n = len(char_tokenizer())
     count = lambda m: float(sum(p.numel() for p in m.parameters()))
     policy, value = tiny_causal_lm(n, 0), tiny_value_model(n, 1)
-    return {"actor": count(policy), "critic": count(value), "ref": count(policy), "reward": 1.0}
+    return {"actor": count(policy), "critic": count(value), "ref": count(policy), "reward": 1.0}  # one score weight
 
 
 def _candidates(rank: int, world_size: int, output_dir: str):
@@ -41,7 +41,7 @@ def _candidates(rank: int, world_size: int, output_dir: str):
         with trainer.full_weights():  # collective: every rank enters, sharded models gather
             params = {k: v.detach().clone().numpy() for k, v in trainer.model.state_dict().items()}
         engines = trainer.sharding.model_state_bytes()
-        accountant = model_state_bytes(plan, ModelSizes(**_sizes(trainer)), "fp32").per_rank[rank]
+        accountant = model_state_bytes(plan, ModelSizes(**_sizes()), "fp32").per_rank[rank]
         out[name] = {"params": params, "trainer": trainer.is_training_rank, "engines": engines,
                      "accountant": accountant, "gathered": trainer.executor.bytes_gathered(),
                      "sharded_here": sorted(trainer.sharding.engines)}
@@ -70,14 +70,15 @@ def test_every_planner_candidate_trains_like_colocated_four_ranks(tmp_path):
                 # actor and critic share one engine: compare with the accountant's two rows together
                 expect = res["accountant"]["actor"] + res["accountant"]["critic"] if role == "actor" \
                     else res["accountant"][role]
-                assert held == pytest.approx(expect, rel=2e-3), (name, r, role)
+                # the engine pads each flat bucket to a multiple of the role's ranks (< n elements per bucket)
+                assert held == pytest.approx(expect, rel=2e-3, abs=64), (name, r, role)
     # sharded roles are sharded where the plan says, and gather their parameters
     plans = dict(candidate_plans(4))
     for name, plan in plans.items():
         for r in range(4):
             res = results[r][name]
-            expect = {role for role in plan.sharded_roles if r in plan.roles[role] and role != "reward"}
-            assert set(res["sharded_here"]) == expect, (name, r)  # the reward model is rule-based: nothing to shard
+            expect = {role for role in plan.sharded_roles if r in plan.roles[role]}
+            assert set(res["sharded_here"]) == expect, (name, r)
             assert (res["gathered"] > 0) == bool(expect), (name, r)
     # interleaved-sharded: the ref model is sharded over its owner half only
     assert results[0]["interleaved-sharded"]["engines"]["ref"] == pytest.approx(

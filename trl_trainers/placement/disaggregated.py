@@ -94,7 +94,7 @@ class DisaggregatedExecutor(PPOExecutor):
     def _sync(self, version: int) -> None:
         try:
             # A sharded trainer gathers its full weights (collective over the training ranks) for the source to send.
-            with self.context.sharding.gathered("actor"):
+            with self.context.sharding.gathered("actor", "critic"):
                 self.actor_sync.sync(version)
                 self.critic_sync.sync(version)
         except Exception as exc:

@@ -108,6 +108,8 @@ class RoleSharding:
             s.roles: build_topology(group_size=s.group_size, timeout_s=self.timeout_s, ranks=list(s.ranks))
             for s in self.specs}
         self.engines: dict[str, ParoEngine] = {}
+        # actor and critic share one engine: each role pins only its own model's buckets
+        self._role_modules: dict[str, nn.Module] = {}
 
     def spec(self, role: str) -> ShardSpec | None:
         return next((s for s in self.specs if role in s.roles), None)
@@ -134,6 +136,7 @@ class RoleSharding:
         engine = ParoEngine(model, adamw_factory(args), self._config(spec), topology=self.topologies[spec.roles],
                             extra_units=units)
         self.engines["actor"] = self.engines["critic"] = engine
+        self._role_modules = {"actor": model.policy, "critic": model.value_model}
         return ParoBackend(engine)
 
     def shard_frozen(self, role: str, model: nn.Module | None) -> None:
@@ -150,12 +153,11 @@ class RoleSharding:
         """Full weights of the named roles held by this rank inside the block (collective over each role's ranks;
         a no-op for roles that are not sharded or not held here). Re-entrant."""
         with ExitStack() as stack:
-            seen: set[int] = set()
-            for role in roles:
+            for role in dict.fromkeys(roles):
                 engine = self.engines.get(role)
-                if engine is not None and id(engine) not in seen:
-                    seen.add(id(engine))
-                    stack.enter_context(engine.gathered())
+                if engine is not None:
+                    module = self._role_modules.get(role)
+                    stack.enter_context(engine.gathered(module) if module is not None else engine.gathered())
             yield
 
     def held_engines(self) -> list[ParoEngine]:
