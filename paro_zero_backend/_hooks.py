@@ -1,14 +1,15 @@
 """When working parameters come and go (strategies with p = I or G): the forward and backward hooks of each unit.
 
-- a unit's forward pre-hook gathers its buckets; its forward hook releases them;
+- a unit's forward pre-hook gathers its buckets; its forward hook releases them (with ``reshard_after_forward=False``
+  and gradients on, it keeps them for the backward instead);
 - a hook on the unit's output gradients gathers them again for its backward; a hook on its input gradients (fired
   once the unit's whole backward ran) releases them; the end of the backward releases whatever is left;
 - every module that holds parameters checks, before it runs, that they are gathered: a module whose unit's forward
   never ran (a wrapper whose sub-modules the caller runs directly) gets an error naming the unit and the fix, instead
   of an obscure shape error on an empty weight.
 
-While the engine is pinned (`ParoEngine.gathered`) every bucket is gathered, so the gathers are no-ops and the
-engine ignores the releases.
+While a bucket is pinned (`ParoEngine.gathered`) it stays gathered: the gathers are no-ops and the engine ignores
+its releases.
 """
 
 from __future__ import annotations
@@ -84,12 +85,14 @@ def _post_forward(engine: ParoEngine, u: int) -> Callable:
         if torch.is_grad_enabled():
             def on_output_grad(grad):
                 engine._ensure_callback()
-                engine._gather(engine._unit_buckets[u])
+                engine._gather(engine._unit_buckets[u])  # a no-op when the forward's copy was kept
                 return None
 
             for t in _tensors(output):
                 if t.requires_grad and t.grad_fn is not None:
                     t.register_hook(on_output_grad)
+            if not engine.config.reshard_after_forward:
+                return None  # kept for the backward: released after it (input-gradient hook, or end of backward)
         _release_unit(engine, u)
         return None
 

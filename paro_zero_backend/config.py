@@ -70,6 +70,11 @@ class ParoConfig:
             Class names of modules whose parameters are gathered and released together; defaults to the children
             of every `nn.ModuleList` (transformer blocks) plus the root. `[]`: no such units, so the root and the
             engine's ``extra_units`` are each gathered whole per call (fewer, larger collectives).
+        reshard_after_forward (`bool`, *optional*, defaults to `True`):
+            FSDP2's knob: release a unit's gathered parameters right after its forward and gather them again for its
+            backward (lowest memory), or keep them from the forward to the backward (one parameter gather per
+            micro-step instead of two). With whole-model units (``unit_module_classes=[]``) keeping them costs no peak
+            memory: the whole unit is gathered during its forward anyway. Forwards without gradients always release.
         timeout_s (`float`, *optional*, defaults to `600.0`): timeout of the process groups the engine creates.
     """
 
@@ -90,6 +95,8 @@ class ParoConfig:
     working_memory_gb: float | None = field(default=None, metadata={"help": "Activation/buffer GB ('auto')."})
     compute_time_s: float = field(default=0.0, metadata={"help": "Compute seconds per optimizer step ('auto')."})
     unit_module_classes: list[str] | None = field(default=None, metadata={"help": "Module classes gathered as one."})
+    reshard_after_forward: bool = field(default=True, metadata={
+        "help": "Release a unit's gathered parameters after its forward (True) or keep them until its backward."})
     timeout_s: float = field(default=600.0, metadata={"help": "Timeout of engine process groups (s)."})
 
     def __post_init__(self) -> None:

@@ -142,14 +142,15 @@ def _records(c: Collective, level: Level, n: int, m: int, paro_cc: bool) -> list
 
 def collectives(strategy: str | Strategy, num_params: float, trainable_params: float, world_size: int,
                 group_size: int, accumulation_steps: int, bytes_param: float = 2, bytes_grad: float = 2,
-                paro_cc: bool = True) -> list[dict]:
+                paro_cc: bool = True, reshard_after_forward: bool = True) -> list[dict]:
     """The collectives one optimizer step issues per bucket, priced from the schedule table
     (`paro_zero_backend.schedule`): ``{"term", "link", "op", "bytes", "calls"}`` records, ``op`` in ``all_gather`` /
     ``reduce_scatter`` / ``all_reduce``, ``bytes`` sent per rank summed over the ``calls``. Summed by link they equal
-    `traffic`; this split is what latency and per-operation factors need."""
+    `traffic`; this split is what latency and per-operation factors need. ``reshard_after_forward``: see
+    `schedule_for`."""
     n, m, s = world_size, group_size, accumulation_steps
     out: list[dict] = []
-    for phase in schedule_for(strategy).phases:
+    for phase in schedule_for(strategy, reshard_after_forward).phases:
         elements = trainable_params if phase.trainable_only else num_params
         nbytes = bytes_param if phase.dtype == "param" else bytes_grad
         calls = phase.repeats * (s if phase.per_micro_step else 1)

@@ -126,7 +126,7 @@ class ParoEngine(nn.Module):
         self.rank, self.world_size, self.group_size = (self.topology.rank, self.topology.world_size,
                                                        self.topology.group_size)
         self.strategy: Strategy = parse_strategy(self.config.strategy)
-        self.schedule = schedule_for(self.strategy)
+        self.schedule = schedule_for(self.strategy, self.config.reshard_after_forward)
         self.compute_dtype = self.config.compute_dtype
         self.grad_dtype = self.config.grad_dtype
         self.counter = CommCounter()

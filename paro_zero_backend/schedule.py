@@ -148,13 +148,19 @@ class Schedule:
         return self.param, self.gradient, self.sync_g, self.sync_p
 
 
-def schedule_for(strategy: str | Strategy) -> Schedule:
-    """The schedule of ``strategy``: which collectives run, over which ranks, at which point of the step."""
+def schedule_for(strategy: str | Strategy, reshard_after_forward: bool = True) -> Schedule:
+    """The schedule of ``strategy``: which collectives run, over which ranks, at which point of the step.
+
+    ``reshard_after_forward=False`` keeps a unit's gathered parameters from its forward to its backward (FSDP2's
+    knob of that name): one parameter gather per micro-step instead of two.
+    """
     st = parse_strategy(strategy)
+    when = ("every micro-step: gathered for the forward, again for the backward" if reshard_after_forward else
+            "every micro-step: gathered for the forward, kept for the backward")
     return Schedule(
         strategy=st,
-        param=Phase("t_param", "every micro-step: gathered for the forward, again for the backward",
-                    PARAM_GATHER[st.p], st.p, N, True, 2, False, "param"),
+        param=Phase("t_param", when, PARAM_GATHER[st.p], st.p, N, True, 2 if reshard_after_forward else 1, False,
+                    "param"),
         gradient=Phase("t_gradient", "every micro-step, once per bucket when its gradients are complete",
                        GRADIENT_REDUCE[st.g], N, st.g, True, 1, True, "grad"),
         sync_g=Phase("t_sync_g", "once per step, at the accumulation boundary", SYNC_G[(st.g, st.os)], st.g, st.os,

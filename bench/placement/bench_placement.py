@@ -145,7 +145,7 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any], out_dir: str, warmup
     import torch.distributed as dist
 
     from hf_placement.planner import model_state_bytes
-    from hf_placement.planner.calibrate import time_collectives
+    from hf_placement.planner.calibrate import busy_collective_latency, time_collectives
     from hf_placement.runtime import is_wait, resident_bytes
     from trl_trainers import PPOTrainer
 
@@ -196,8 +196,9 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any], out_dir: str, warmup
             if strategy == "links":
                 gathers = time_collectives(gather_sizes, repeats=1, ops=("p2p", "all_gather", "reduce_scatter"))
                 grad_sync_s = _time_gradient_sync(grad_params)
+                busy = busy_collective_latency(repeats=40, seed=i)
                 if i >= warmup:
-                    link_times.append({"gathers": gathers, "grad_sync_s": grad_sync_s})
+                    link_times.append({"gathers": gathers, "grad_sync_s": grad_sync_s, "busy": busy})
                 continue
             t = trainers[strategy]
             first = len(t.timeline.events)
@@ -295,7 +296,8 @@ def _predict(cfg: dict[str, Any], plans: dict[str, dict], phi: float, calibratio
     # the concurrent calibration stands in for the parallel efficiency (left at 1)
     hw = Hardware.cpu(2, link_bandwidth=links["bandwidth"], link_latency_s=links["latency"],
                       reduce_scatter_bandwidth=links["reduce_scatter_bandwidth"],
-                      all_reduce_bandwidth=links["all_reduce_bandwidth"], memory_cap_bytes=cap_bytes)
+                      all_reduce_bandwidth=links["all_reduce_bandwidth"], memory_cap_bytes=cap_bytes,
+                      collective_overhead_s=links["collective_overhead_s"])
     out = {}
     for strategy, plan_dict in plans.items():
         staleness = 1 if strategy == "disaggregated-async" else 0
@@ -366,14 +368,19 @@ def run(configs: list[dict[str, Any]], warmup: int, iters: int | None, out_path:
         calibration = Calibration(**{f.name: cal[f.name] for f in fields(Calibration) if f.name in cal})
         # the gradient sync as an all-reduce bandwidth in the cost model's convention (2 (n-1)/n x bytes / time)
         grad_bytes = 2 * 4 * phi
-        link_rounds = [{**fit_links(r["gathers"], 2), "all_reduce": {"seconds": r["grad_sync_s"],
-                                                                      "bandwidth": grad_bytes / r["grad_sync_s"]}}
-                       for r in ranks[0]["links"]]
+        # the busy-collective cost: each round's mean over both ranks (the early rank waits for the late one)
+        link_rounds = [{**fit_links(r0["gathers"], 2), "all_reduce": {"seconds": r0["grad_sync_s"],
+                                                                       "bandwidth": grad_bytes / r0["grad_sync_s"]},
+                        "busy": {"mean": statistics.fmean(r["links"][k]["busy"]["mean"] for r in ranks),
+                                 "per_rank": [r["links"][k]["busy"] for r in ranks]}}
+                       for k, r0 in enumerate(ranks[0]["links"])]
         links_used = {"latency": statistics.median(f["p2p"]["latency_s"] for f in link_rounds),
                       "bandwidth": statistics.median(f["all_gather"]["bandwidth"] for f in link_rounds),
                       "all_reduce_bandwidth": statistics.median(f["all_reduce"]["bandwidth"] for f in link_rounds),
                       "reduce_scatter_bandwidth": statistics.median(f["reduce_scatter"]["bandwidth"]
-                                                                    for f in link_rounds)}
+                                                                    for f in link_rounds),
+                      # the mean over every round's bursts: the expected cost of one collective between computations
+                      "collective_overhead_s": statistics.fmean(f["busy"]["mean"] for f in link_rounds)}
         entry: dict[str, Any] = {"config": {**cfg, "params_per_model": phi, "cap_bytes": cap,
                                             "prompt_len": PROMPT_LEN, "iters": n_iters},
                                  "calibration": cal, "calibration_rounds": cal_rounds,
@@ -437,8 +444,11 @@ def _report(results: list[dict], pre: dict, links: dict, warmup: int, start: flo
     capped = [e for e in results if e["config"]["cap_phi"]]
     uncapped = [e for e in results if not e["config"]["cap_phi"]]
     def others(e: dict[str, Any]) -> list[str]:
-        """Interleaved and disaggregated plans that fit (the co-located ones are the baseline)."""
-        return [s for s in STRATEGIES if not s.startswith("colocated") and e["predicted"][s]["fits"]]
+        """Interleaved and disaggregated plans that fit the cap (the co-located ones are the baseline); without a
+        cap only the unsharded ones (nobody shards a plan that fits)."""
+        capped = bool(e["config"]["cap_phi"])
+        return [s for s in STRATEGIES if not s.startswith("colocated") and e["predicted"][s]["fits"]
+                and (capped or not e["strategies"][s]["sharded"])]
 
     summary = {
         "capped_best_vs_colocated": max((max(e["vs_colocated"][s] for s in others(e)) for e in capped),
@@ -507,18 +517,25 @@ def _print_config(e: dict[str, Any]) -> None:
     print(f"planner inputs (medians over the rounds): slowdown with both ranks busy generate {sd['generate']:.2f}, "
           f"inference {sd['inference']:.2f}, train {sd['train']:.2f}; all-gather {lk['bandwidth'] / 1e9:.2f} GB/s, "
           f"reduce-scatter {lk['reduce_scatter_bandwidth'] / 1e9:.2f}, all-reduce "
-          f"{lk['all_reduce_bandwidth'] / 1e9:.2f} GB/s, latency {lk['latency'] * 1e3:.2f} ms")
+          f"{lk['all_reduce_bandwidth'] / 1e9:.2f} GB/s, latency {lk['latency'] * 1e3:.2f} ms, collective after "
+          f"compute {lk['collective_overhead_s'] * 1e3:.2f} ms")
     p = e["planner"]
     print(f"planner: pick {p['pick']}, measured best {p['measured_best']} (among plans within the cap), regret "
           f"{p['pick_regret']:.1%}, max rel error {p['max_rel_error']:.1%}; co-located baseline "
           f"{e['colocated_baseline']}")
 
 
+def _fmt_value(v: Any) -> str:
+    if isinstance(v, dict):
+        return "(" + ", ".join(f"{k} {_fmt_value(x)}" for k, x in v.items()) + ")"
+    return f"{v:.2f}" if isinstance(v, float) else str(v)
+
+
 def _print_summary(summary: dict[str, Any], out_path: Path) -> None:
     print("\nsummary:")
     for k, v in summary.items():
         if isinstance(v, dict):
-            v = ", ".join(f"{a} {b:.2f}" for a, b in v.items())
+            v = ", ".join(f"{a} {_fmt_value(b)}" for a, b in v.items())
         elif isinstance(v, list):
             v = ", ".join(map(str, v))
         elif isinstance(v, float):

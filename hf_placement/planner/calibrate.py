@@ -22,7 +22,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["COLLECTIVES", "fit_links", "measure_links", "parallel_efficiency", "spin_for", "time_collectives"]
+__all__ = ["COLLECTIVES", "busy_collective_latency", "fit_links", "measure_links", "parallel_efficiency", "spin_for",
+           "time_collectives"]
 
 
 COLLECTIVES = ("p2p", "broadcast", "all_gather", "reduce_scatter", "all_reduce")
@@ -115,6 +116,51 @@ def measure_links(world_size: int = 2, sizes: Sequence[int] = (1 << 10, 1 << 20,
     return {"world_size": world_size, "sizes": sizes, "seconds": seconds, "fit": fit}
 
 
+def busy_collective_latency(repeats: int = 40, burst_s: tuple[float, float] = (0.004, 0.024), group: Any = None,
+                            seed: int = 0) -> dict[str, float]:
+    """Seconds a tiny all-gather takes when every rank issues it right after a burst of computation (run inside
+    already-running ranks; collective: every rank of ``group`` calls it with the same arguments).
+
+    Why: a training step issues its collectives between bursts of compute, and there a collective costs more than in
+    a back-to-back loop: the communication threads have gone to sleep and must be woken (on some hosts a wake-up
+    waits for the next scheduler tick), and the ranks, doing the same work at slightly different speeds, arrive
+    apart. `time_collectives` measures links back to back, so it misses this fixed cost, which an engine that gathers
+    and reduces per unit and micro-step pays tens of times per iteration. Each burst is the same amount of work on
+    every rank (matmul iterations worth a duration drawn uniformly from ``burst_s``, one sequence for all ranks), so
+    the ranks' own speed differences show up as they do in training. Returns this rank's ``mean`` and ``median``
+    over ``repeats`` and the back-to-back ``idle`` median.
+    """
+    import random
+
+    import torch
+    import torch.distributed as dist
+
+    n = dist.get_world_size(group)
+    x = torch.zeros(16)
+    out = torch.empty(16 * n)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    rng = random.Random(seed)
+    # iterations per second of the reference loop, agreed on by all ranks (the slowest rank's rate)
+    rate = torch.tensor([spin_for(0.05) / 0.05])
+    dist.all_reduce(rate, op=dist.ReduceOp.MIN, group=group)
+    a = torch.randn(256, 256) / 16
+
+    def timed() -> float:
+        t0 = time.perf_counter()
+        gather(out, x, group=group)
+        return time.perf_counter() - t0
+
+    for _ in range(3):
+        timed()
+    idle = statistics.median(timed() for _ in range(10))
+    busy = []
+    for _ in range(repeats):
+        for _ in range(max(1, int(rng.uniform(*burst_s) * float(rate)))):
+            a = torch.tanh(a @ a)
+        busy.append(timed())
+    return {"mean": statistics.fmean(busy), "median": statistics.median(busy), "idle": idle, "repeats": repeats}
+
+
 def spin_for(seconds: float) -> int:
     """Run the reference matmul loop (256 x 256, in the caller's torch threads) for ``seconds``; iterations done.
 
@@ -146,8 +192,8 @@ def parallel_efficiency(processes: int = 2, seconds: float = 2.0, rounds: int = 
     """Matmul iterations of ``processes`` concurrent single-thread loops / (``processes`` x one loop alone).
 
     Each of ``rounds`` rounds runs one loop alone, then all together, for ``seconds`` each, in the same live worker
-    processes; the result is the median over rounds. On a shared host one alone/together pair drifts: single pairs
-    in fresh processes read 0.59 and 1.25 on a machine whose median reading was 0.97 (`bench/placement`)."""
+    processes; the result is the median over rounds: on a shared host a single alone/together pair drifts far
+    from the median (``bench/placement/README.md``)."""
     if processes < 1 or seconds <= 0 or rounds < 1:
         raise ValueError(f"need processes >= 1, seconds > 0 and rounds >= 1, got {processes}, {seconds}, {rounds}.")
     ctx = mp.get_context("spawn")

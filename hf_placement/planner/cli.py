@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reduce-scatter bandwidth, bytes/s (default: --link-bandwidth; `calibrate` measures it)")
     g.add_argument("--all-reduce-bandwidth", type=parse_bytes,
                    help="all-reduce bandwidth, bytes/s (default: --link-bandwidth; `calibrate` measures it)")
+    g.add_argument("--collective-overhead-s", type=float,
+                   help="fixed seconds per collective issued between compute bursts (`calibrate` measures it)")
     g.add_argument("--devices-per-node", type=int, help="devices per node")
     g.add_argument("--peak-flops", type=float, help="peak FLOP/s per device")
     g.add_argument("--mem-bandwidth", type=parse_bytes, help="memory bandwidth per device, bytes/s")
@@ -117,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("calibrate", help="measure gloo links and parallel efficiency on this machine",
                        description="Measure p2p / broadcast / all-gather latency and bandwidth between local gloo "
                                    "ranks, and how well N single-thread processes run in parallel; the numbers feed "
-                                   "`plan --link-bandwidth` and qualify any wall-clock comparison.")
+                                   "`plan --link-bandwidth` / `--collective-overhead-s` and qualify any wall-clock "
+                                   "comparison.")
     c.add_argument("--world-size", type=int, default=2, help="ranks for the link measurement (default 2)")
     c.add_argument("--sizes", default="1KB,1MB,16MB", help="comma-separated transfer sizes (default 1KB,1MB,16MB)")
     c.add_argument("--repeats", type=int, default=5, help="timed repeats per size (default 5)")
@@ -129,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    from ..testing import run_distributed
     from .calibrate import measure_links, parallel_efficiency
 
     try:
@@ -146,11 +150,24 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         print(f"{size:>12}  {t['p2p']:>10.6f}  {t['broadcast']:>12.6f}  {t['all_gather']:>12.6f}")
     for op, f in links["fit"].items():
         print(f"{op:>10}: latency {f['latency_s'] * 1e3:.3f} ms, bandwidth {f['bandwidth'] / 1e9:.3f} GB/s")
+    busy = run_distributed(_busy_rank, args.world_size, timeout=300)[0]
+    print(f"collective after a compute burst: {busy['mean'] * 1e3:.3f} ms on average (back to back "
+          f"{busy['idle'] * 1e3:.3f} ms): plan --collective-overhead-s {busy['mean']:.4f}")
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps({"parallel_efficiency": eff, "links": links}, indent=2) + "\n")
+        args.output.write_text(json.dumps({"parallel_efficiency": eff, "links": links, "busy_collective": busy},
+                                          indent=2) + "\n")
         print(f"wrote {args.output}")
     return 0
+
+
+def _busy_rank(rank: int, world: int) -> dict[str, float]:
+    import torch
+
+    from .calibrate import busy_collective_latency
+
+    torch.set_num_threads(1)
+    return busy_collective_latency()
 
 
 def format_table(ranking: list, actor_params: float) -> str:
@@ -179,6 +196,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                        "inter_link_bandwidth": args.inter_link_bandwidth,
                                        "reduce_scatter_bandwidth": args.reduce_scatter_bandwidth,
                                        "all_reduce_bandwidth": args.all_reduce_bandwidth,
+                                       "collective_overhead_s": args.collective_overhead_s,
                                        "devices_per_node": args.devices_per_node, "peak_flops": args.peak_flops,
                                        "mem_bandwidth": args.mem_bandwidth}.items() if v is not None}
         overrides["memory_cap_bytes"] = _cap(args.memory_cap, args.actor_params)

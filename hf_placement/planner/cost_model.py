@@ -128,6 +128,10 @@ class Hardware:
         "help": "Bandwidth of an all-reduce, bytes/s, in the ring convention (2 (n-1)/n x bytes / time); default β. "
                 "gloo's native all-reduce of large buffers runs faster than its all-gather of the same size "
                 "(hf_placement.planner.calibrate.measure_links)."})
+    collective_overhead_s: float = field(default=0.0, metadata={
+        "help": "Fixed seconds every collective issued between bursts of compute costs on top of its bytes (waking "
+                "the communication threads); measured by hf_placement.planner.calibrate.busy_collective_latency. "
+                "It matters for plans that gather and reduce per unit and micro-step (sharded roles)."})
     mfu_train: float = field(default=0.5, metadata={"help": "Training efficiency η (fraction of F)."})
     mfu_infer: float = field(default=0.5, metadata={"help": "Inference efficiency η_i (fraction of F)."})
     call_overhead_s: float = field(default=5e-3, metadata={"help": "Fixed cost per model call / decode step (o)."})
@@ -144,6 +148,8 @@ class Hardware:
         for f in ("peak_flops", "mem_bandwidth", "link_bandwidth", "mfu_train", "mfu_infer"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"Hardware.{f}={getattr(self, f)!r} must be positive.")
+        if self.collective_overhead_s < 0:
+            raise ValueError(f"Hardware.collective_overhead_s={self.collective_overhead_s!r} must be >= 0 (seconds).")
         for f in ("inter_link_bandwidth", "reduce_scatter_bandwidth", "all_reduce_bandwidth"):
             if getattr(self, f) is not None and not getattr(self, f) > 0:
                 raise ValueError(f"Hardware.{f}={getattr(self, f)!r} must be positive (or None for the default).")
@@ -358,20 +364,21 @@ class _Costs:
         if n <= 1:
             return 0.0
         bw = self.hw.all_reduce_bandwidth or self.hw.bandwidth(ranks)
-        return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * self.hw.link_latency_s
+        return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * self.hw.link_latency_s + self.hw.collective_overhead_s
 
     def all_gather(self, nbytes: float, ranks: list[int]) -> float:
         n = len(ranks)
         if n <= 1:
             return 0.0
-        return (n - 1) / n * nbytes / self.hw.bandwidth(ranks) + (n - 1) * self.hw.link_latency_s
+        return ((n - 1) / n * nbytes / self.hw.bandwidth(ranks) + (n - 1) * self.hw.link_latency_s
+                + self.hw.collective_overhead_s)
 
     def reduce_scatter(self, nbytes: float, ranks: list[int]) -> float:
         n = len(ranks)
         if n <= 1:
             return 0.0
         bw = self.hw.reduce_scatter_bandwidth or self.hw.bandwidth(ranks)
-        return (n - 1) / n * nbytes / bw + (n - 1) * self.hw.link_latency_s
+        return (n - 1) / n * nbytes / bw + (n - 1) * self.hw.link_latency_s + self.hw.collective_overhead_s
 
     def p2p(self, nbytes: float, ranks: list[int]) -> float:
         return nbytes / self.hw.bandwidth(ranks) + self.hw.link_latency_s
@@ -386,8 +393,9 @@ class _Costs:
         ranks = plan.ranks(role)
         m = plan.role_group_size(role, self.hw.devices_per_node)
         wb = self.hw.weight_bytes
+        # PPO shards whole models (one unit each), which keep their gathered weights from forward to backward
         return paro_collectives(plan.sharded_roles[role], psi, psi_t, len(ranks), m, max(1, round(micro_steps)),
-                                bytes_param=wb, bytes_grad=wb)
+                                bytes_param=wb, bytes_grad=wb, reshard_after_forward=False)
 
     def _price(self, plan: PlacementPlan, role: str, records: list[dict], scale: float = 1.0) -> float:
         """Seconds of a list of collective records (bytes sent per rank summed over ``calls``) on ``role``'s ranks:
@@ -413,7 +421,7 @@ class _Costs:
         if role not in plan.sharded_roles:
             return 0.0
         params = [r for r in self._schedule(plan, role, False, 1) if r["term"] == "t_param"]
-        return self._price(plan, role, params, scale=0.5)  # the schedule gathers twice per micro-step (fwd + bwd)
+        return self._price(plan, role, params)  # one micro-step's gather
 
     def train_comm(self, plan: PlacementPlan, role: str, micro_steps: float, syncs: int) -> float:
         """Gradient synchronisation (and, for a sharded role, parameter gathers) of a trained role per iteration."""

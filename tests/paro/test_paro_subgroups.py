@@ -209,6 +209,27 @@ def _wrapper_run(rank: int, tops: dict, data: torch.Tensor) -> dict:
             engine.step()
     out["state"] = to_numpy(engine.consolidated_state_dict())
     out["memory"] = _memory_check(engine)
+    # reshard_after_forward=False keeps each unit's gathered parameters from its forward to its backward: the same
+    # update with one parameter gather per micro-step instead of two; and pinning one sub-module gathers only it.
+    out["reshard"] = {}
+    for reshard in (True, False):
+        w3 = _wrapper()
+        eng = ParoEngine(w3, make_adamw(w3.parameters()),
+                         ParoConfig(strategy="GGG", unit_module_classes=[], reshard_after_forward=reshard),
+                         topology=topo, extra_units=_wrapper_units(w3))
+        for step in range(STEPS):
+            for k in range(ACCUM):
+                with eng.no_sync() if k < ACCUM - 1 else contextlib.nullcontext():
+                    eng.backward(_wrapper_loss(w3, pair_data[step, k, topo.rank]) / ACCUM)
+            eng.step()
+        before = eng.gathered_bytes
+        with eng.gathered(w3.policy):
+            partial = (eng.gathered_bytes - before, all(p.numel() > 0 for p in w3.policy.parameters()),
+                       all(p.numel() == 0 for p in w3.value_model.parameters()))
+        out["reshard"][reshard] = {"state": to_numpy(eng.consolidated_state_dict()),
+                                   "t_param": eng.last_step_terms.get("t_param", 0), "partial": partial,
+                                   "policy_bytes": sum(b.p_store.numel() * 4 for b in eng.buckets
+                                                       if any(s.name.startswith("policy.") for s in b.slots))}
     # Only the policy as a unit: the value model's parameters belong to the wrapper (root), whose forward never runs.
     w2 = _wrapper()
     bad = ParoEngine(w2, make_adamw(w2.parameters()), ParoConfig(strategy="GGG", unit_module_classes=[]),
@@ -304,3 +325,15 @@ def test_auto_is_resolved_on_the_sub_group(results):
     picks = [res["wrapper"]["auto"] for res in results["ranks"]]
     assert picks[0] == picks[1] and picks[2] == picks[3]
     assert all(p[1:] == (2, 1) for p in picks)
+
+
+def test_reshard_after_forward_halves_the_parameter_gathers(results):
+    for rank, res in enumerate(results["ranks"]):
+        runs = res["wrapper"]["reshard"]
+        for reshard in (True, False):
+            got = from_numpy(runs[reshard]["state"])
+            assert max_rel_diff(got, from_numpy(results["wrapper_refs"][rank // 2])) <= FP32_TOL, (rank, reshard)
+        assert runs[False]["t_param"] * 2 == runs[True]["t_param"] > 0, rank
+        sent, policy_full, value_released = runs[False]["partial"]
+        assert policy_full and value_released  # a pin of the policy leaves the value model sharded
+        assert sent == runs[False]["policy_bytes"]  # one all-gather of the policy's slices: (n-1) x this rank's
