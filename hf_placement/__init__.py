@@ -27,7 +27,15 @@ from typing import Any
 from .groups import RoleGroups, build_role_groups
 from .plan import BASE_ROLES, ROLES, SHADOW_ROLES, STRATEGIES, TRAINED_ROLES, PlacementPlan
 from .testing import RankError, RankTimeoutError, find_free_port, run_distributed
-from .topology import DEFAULT_GROUP_TIMEOUT_S, GroupLayout, Topology, build_topology, new_process_groups
+from .topology import (
+    DEFAULT_GROUP_TIMEOUT_S,
+    GroupLayout,
+    Topology,
+    all_gather_single,
+    build_topology,
+    new_process_groups,
+    reduce_scatter_single,
+)
 
 __all__ = [
     "BASE_ROLES",
@@ -42,10 +50,12 @@ __all__ = [
     "STRATEGIES",
     "TRAINED_ROLES",
     "Topology",
+    "all_gather_single",
     "build_role_groups",
     "build_topology",
     "find_free_port",
     "new_process_groups",
+    "reduce_scatter_single",
     "run_distributed",
 ]
 

@@ -21,9 +21,15 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-__all__ = ["GroupLayout", "Topology", "build_topology", "new_process_groups", "DEFAULT_GROUP_TIMEOUT_S"]
+__all__ = ["GroupLayout", "Topology", "all_gather_single", "build_topology", "new_process_groups",
+           "reduce_scatter_single", "DEFAULT_GROUP_TIMEOUT_S"]
 
 DEFAULT_GROUP_TIMEOUT_S = 600.0
+
+# torch 2.13 renamed the tensor-API collectives (the old names emit a FutureWarning) and older releases only have the
+# old ones: the base picks the name once, for every package that runs collectives on its groups.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from hf_placement import all_gather_single, reduce_scatter_single
+
 from .schedule import AG_GLOBAL, Collective, Op, Span
 
 __all__ = [
@@ -51,9 +53,7 @@ __all__ = [
 
 LINKS = ("intra", "inter", "flat", "control")
 
-# torch 2.13 renamed the tensor-API collectives (the old names emit a FutureWarning); keep older torch working.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single, _reduce_scatter_single = all_gather_single, reduce_scatter_single  # torch-version shim (base)
 
 
 @dataclass

@@ -144,6 +144,7 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any], out_dir: str, warmup
                 cap_bytes: float | None, phi: float) -> dict[str, Any]:
     import torch.distributed as dist
 
+    from hf_placement import build_topology
     from hf_placement.planner import model_state_bytes
     from hf_placement.planner.calibrate import busy_collective_latency, time_collectives
     from hf_placement.runtime import is_wait, resident_bytes
@@ -161,7 +162,10 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any], out_dir: str, warmup
     # per batch size (whole, half); rank 0 runs one iteration of each while rank 1 waits (alone), then every rank
     # runs one at once (concurrent: the contention the placed runs meet when both ranks compute).
     solo = [dist.new_group([r]) for r in range(world)]  # created in the same order on every rank
+    solo_topologies = [build_topology(group_size=1, ranks=[r]) for r in range(world)]  # the same, for the engine
     calibrators = _calibration_trainers(cfg, f"{out_dir}/calibration/rank{rank}", 2 * rounds, solo[rank])
+    sharded_calibrator = _sharded_calibration_trainer(cfg, f"{out_dir}/calibration/rank{rank}", 2 * rounds,
+                                                      solo[rank], solo_topologies[rank])
     cal_times: list[dict[str, float]] = []
     link_times: list[dict[str, dict[str, float]]] = []
     # Links at the sizes the plans move: one model's fp32 weights over the ranks (a sharded gather's per-rank chunk;
@@ -186,7 +190,7 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any], out_dir: str, warmup
         for strategy in order:
             if strategy == "calibration":
                 dist.barrier()
-                alone = _time_calibration_round(calibrators, 2 * i + 1) if rank == 0 else {}
+                alone = _time_calibration_round(calibrators, 2 * i + 1, sharded_calibrator) if rank == 0 else {}
                 dist.barrier()
                 together = _time_calibration_round(calibrators, 2 * i + 2)
                 dist.barrier()
@@ -249,7 +253,8 @@ def _time_gradient_sync(params: list[torch.nn.Parameter]) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------- single process
-def _calibration_trainers(cfg: dict[str, Any], out_dir: str, rounds: int, group: Any) -> dict[str, Any]:
+def _calibration_trainers(cfg: dict[str, Any], out_dir: str, rounds: int, group: Any,
+                          only: str | None = None) -> dict[str, Any]:
     """Two single-process PPO trainers on ``group`` (one rank): the WHOLE batch and half of it. The planner's
     `Calibration` takes each phase at both sizes (fixed vs per-sample work). Both use the placed runs' rollout chunk
     and their training micro-batch (the co-located rank's: a quarter of the batch with 2 ranks and 2 mini-batches),
@@ -260,6 +265,8 @@ def _calibration_trainers(cfg: dict[str, Any], out_dir: str, rounds: int, group:
     out = {}
     micro = cfg["batch"] // 2 // 2  # co-located: batch / world per rank, cut into num_mini_batches=2
     for suffix, batch in (("_s", cfg["batch"]), ("_half_s", cfg["batch"] // 2)):
+        if only is not None and suffix != only:
+            continue
         tok, models, data = _parts(cfg)
         args = _args({**cfg, "batch": batch}, f"{out_dir}/b{batch}", 1, rounds)
         args.per_device_train_batch_size, args.gradient_accumulation_steps = micro, batch // micro
@@ -270,8 +277,28 @@ def _calibration_trainers(cfg: dict[str, Any], out_dir: str, rounds: int, group:
     return out
 
 
-def _time_calibration_round(calibrators: dict[str, Any], update: int) -> dict[str, float]:
-    """Generation, experience forwards and training of one PPO iteration of each calibration trainer (seconds)."""
+def _sharded_calibration_trainer(cfg: dict[str, Any], out_dir: str, rounds: int, group: Any, topology: Any):
+    """The whole-batch calibration trainer again, its policy + value model on a PaRO engine over its one rank
+    (ZeRO-3 as the sharded plans run it: whole-model units kept from forward to backward). Over one rank nothing is
+    communicated, so its training time minus the plain one is the engine's own work (hooks, flat-buffer copies and
+    allocations), which `Calibration.train_sharded_s` adds to the sharded plans' training compute."""
+    from paro_zero_backend import ParoConfig, ParoEngine
+    from trl_trainers.placement import ParoBackend
+    from trl_trainers.training_backend import adamw_factory
+
+    t = _calibration_trainers(cfg, out_dir + "/sharded", rounds, group, only="_s")["_s"]
+    model, value = t.model, t.model.value_model
+    engine = ParoEngine(model, adamw_factory(t.args), ParoConfig(strategy="GGG", unit_module_classes=[],
+                                                                 reshard_after_forward=False),
+                        topology=topology, extra_units=[model.policy, getattr(value, value.base_model_prefix),
+                                                        value.score])
+    t.phases.backend = ParoBackend(engine)
+    return t
+
+
+def _time_calibration_round(calibrators: dict[str, Any], update: int, sharded: Any = None) -> dict[str, float]:
+    """Generation, experience forwards and training of one PPO iteration of each calibration trainer (seconds), and
+    the whole batch's training through the sharding engine (``train_sharded_s``) when ``sharded`` is given."""
     times = {}
     for suffix, t in calibrators.items():
         queries, seeds = t.local_batch(update)
@@ -285,6 +312,10 @@ def _time_calibration_round(calibrators: dict[str, Any], update: int) -> dict[st
         t.train_on_experience(exp, update)
         t4 = time.perf_counter()
         times.update({"generate" + suffix: t1 - t0, "inference" + suffix: t2 - t1, "train" + suffix: t4 - t3})
+        if sharded is not None and suffix == "_s":
+            t5 = time.perf_counter()
+            sharded.train_on_experience(exp, update)
+            times["train_sharded_s"] = time.perf_counter() - t5
     return times
 
 

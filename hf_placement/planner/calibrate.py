@@ -42,9 +42,8 @@ def time_collectives(sizes: Sequence[int], repeats: int, group: Any = None, time
     unknown = set(ops) - set(COLLECTIVES)
     if unknown:
         raise ValueError(f"unknown collectives {sorted(unknown)}; choose from {COLLECTIVES}.")
-    # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single; older releases lack the latter.
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    from ..topology import all_gather_single as all_gather
+    from ..topology import reduce_scatter_single as reduce_scatter
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if world < 2:
         raise ValueError(f"timing collectives needs a group of >= 2 ranks, got {world}.")
@@ -138,7 +137,7 @@ def busy_collective_latency(repeats: int = 40, burst_s: tuple[float, float] = (0
     n = dist.get_world_size(group)
     x = torch.zeros(16)
     out = torch.empty(16 * n)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    from ..topology import all_gather_single as gather
     rng = random.Random(seed)
     # iterations per second of the reference loop, agreed on by all ranks (the slowest rank's rate)
     rate = torch.tensor([spin_for(0.05) / 0.05])

@@ -115,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the four forwards, whole batch, while every device runs them at once")
     g.add_argument("--measured-train-concurrent-s", type=float,
                    help="training, whole batch, while every device trains at once")
+    g.add_argument("--measured-train-sharded-s", type=float,
+                   help="training, whole batch, one device, through the sharding engine (its own overhead)")
     p.add_argument("--output", type=Path, help="write the ranking as JSON here")
     c = sub.add_parser("calibrate", help="measure gloo links and parallel efficiency on this machine",
                        description="Measure p2p / broadcast / all-gather latency and bandwidth between local gloo "
@@ -206,7 +208,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         measured = {f: getattr(args, f"measured_{f}") for f in ("generate_s", "inference_s", "train_s",
                                                                  "generate_half_s", "inference_half_s",
                                                                  "train_half_s", "generate_concurrent_s",
-                                                                 "inference_concurrent_s", "train_concurrent_s")}
+                                                                 "inference_concurrent_s", "train_concurrent_s",
+                                                                 "train_sharded_s")}
         if any(v is not None for v in measured.values()):
             calibration = Calibration(**measured)
         ranking = rank_plans(workload, hardware, calibration)

@@ -224,10 +224,14 @@ class Calibration:
         "help": "The four forwards on the whole batch, on one device while every device runs them at once."})
     train_concurrent_s: float | None = field(default=None, metadata={
         "help": "Training on the whole batch, on one device while every device trains at once."})
+    train_sharded_s: float | None = field(default=None, metadata={
+        "help": "Training on the whole batch, one device, through the sharding engine (its hooks, flat-buffer "
+                "copies and allocations; over one rank it communicates nothing): what sharding adds to the compute "
+                "of a sharded plan's training."})
 
     def __post_init__(self) -> None:
         for f in ("generate_s", "inference_s", "train_s", "generate_half_s", "inference_half_s", "train_half_s",
-                  "generate_concurrent_s", "inference_concurrent_s", "train_concurrent_s"):
+                  "generate_concurrent_s", "inference_concurrent_s", "train_concurrent_s", "train_sharded_s"):
             v = getattr(self, f)
             if v is not None and not v > 0:
                 raise ValueError(f"Calibration.{f}={v!r} must be a positive number of seconds.")
@@ -237,6 +241,9 @@ class Calibration:
                 if getattr(self, f"{phase}_{kind}_s") is not None and getattr(self, f"{phase}_s") is None:
                     raise ValueError(f"Calibration.{phase}_{kind}_s needs {phase}_s (the whole-batch time alone) as "
                                      f"well: {why}.")
+        if self.train_sharded_s is not None and self.train_s is None:
+            raise ValueError("Calibration.train_sharded_s needs train_s as well: their ratio is the sharding "
+                             "engine's overhead on the training compute.")
 
     def fixed_fraction(self, phase: str) -> float | None:
         """Share of ``phase``'s whole-batch time that does not shrink with the batch; None without a half-batch
@@ -245,6 +252,12 @@ class Calibration:
         if full is None or half is None:
             return None
         return min(1.0, max(0.0, 2.0 * half / full - 1.0))
+
+    def sharded_train_factor(self) -> float:
+        """Training compute through the sharding engine / plain training compute (1 without a sharded time)."""
+        if self.train_sharded_s is None or self.train_s is None:
+            return 1.0
+        return self.train_sharded_s / self.train_s
 
     def concurrent_slowdown(self, phase: str) -> float | None:
         """How much slower ``phase`` runs when every device runs it at once than on one device alone; None without
@@ -438,6 +451,9 @@ def estimate(plan: PlacementPlan, workload: Workload, hardware: Hardware, calibr
         raise ValueError(f"plan is for {plan.world_size} ranks but hardware.devices={hardware.devices}; build the "
                          "plan for the hardware's device count.")
     c = _Costs(workload, hardware, calibration)
+    # sharded trained roles run their training through the sharding engine: its own work on top of the compute
+    train_factor = calibration.sharded_train_factor() if calibration is not None and "actor" in plan.sharded_roles \
+        else 1.0
     w, S, K = workload, float(workload.batch_size), workload.micro_batches
     # Phases during which every device computes at once pay the contention between devices: the phase's measured
     # concurrent slowdown where the calibration has one, else the machine's parallel efficiency. The synchronous
@@ -466,7 +482,8 @@ def estimate(plan: PlacementPlan, workload: Workload, hardware: Hardware, calibr
         inf += max(t_ref, t_rw) if disjoint else t_ref + t_rw
         phases["inference"] = inf
         micro_steps = min(K, max(1, math.ceil(b))) * w.ppo_epochs
-        phases["train"] = c.train(b) + sum(c.train_comm(plan, role, micro_steps, syncs) for role in ("actor", "critic"))
+        phases["train"] = c.train(b) * train_factor + sum(c.train_comm(plan, role, micro_steps, syncs)
+                                                          for role in ("actor", "critic"))
         phases["sync"] = 0.0
         total = phases["generate"] + phases["inference"] + phases["train"]
     else:
@@ -476,7 +493,8 @@ def estimate(plan: PlacementPlan, workload: Workload, hardware: Hardware, calibr
         inf += sum(c.gather(plan, role) for role in ("value", "ref", "reward"))
         b_train = S / len(trainers)
         micro_steps = min(K, max(1, math.ceil(b_train))) * w.ppo_epochs
-        train = c.train(b_train) + sum(c.train_comm(plan, role, micro_steps, syncs) for role in ("actor", "critic"))
+        train = c.train(b_train) * train_factor + sum(c.train_comm(plan, role, micro_steps, syncs)
+                                                      for role in ("actor", "critic"))
         sync_bytes = (c.weights("actor") + c.weights("critic")) * (w.lora_fraction or 1.0)
         # a sharded trainer gathers its full weights for the sync source to send them
         sync = c.p2p(sync_bytes, sorted(set(trainers) | set(infer))) + c.gather(plan, "actor") \

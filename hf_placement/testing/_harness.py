@@ -77,9 +77,11 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, ba
                results: Any) -> None:
     try:
         os.environ.update(env)
+        # one "node" by default; env={"LOCAL_WORLD_SIZE": "2"} emulates nodes of 2 ranks (as torchrun would set it)
+        local = int(env.get("LOCAL_WORLD_SIZE", world_size))
         os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                           "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-                           "LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": str(threads)})
+                           "LOCAL_RANK": str(rank % local), "WORLD_SIZE": str(world_size),
+                           "LOCAL_WORLD_SIZE": str(local), "OMP_NUM_THREADS": str(threads)})
         import torch
         import torch.distributed as dist
 

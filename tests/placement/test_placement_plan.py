@@ -449,6 +449,26 @@ def test_two_point_calibration_splits_fixed_and_per_sample_work():
         Calibration(generate_half_s=1.0)
 
 
+def test_sharded_training_pays_the_engine_overhead_measured_on_one_device():
+    w = Workload(actor_params=1e6)
+    hw = Hardware.cpu(2)
+    base = Calibration(generate_s=1.0, inference_s=1.0, train_s=2.0)
+    engine = Calibration(generate_s=1.0, inference_s=1.0, train_s=2.0, train_sharded_s=3.0)
+    assert engine.sharded_train_factor() == 1.5 and base.sharded_train_factor() == 1.0
+    sharded, plain = PlacementPlan.colocated(2, sharded=True), PlacementPlan.colocated(2)
+    t = {(n, c): estimate(p, w, hw, cal).phases["train"] for n, p in (("z3", sharded), ("dp", plain))
+         for c, cal in (("base", base), ("engine", engine))}
+    assert t[("dp", "engine")] == t[("dp", "base")]  # unsharded plans do not pay it
+    compute = estimate(plain, w, hw, base).phases["train"] - estimate(plain, w, Hardware.cpu(2, link_bandwidth=1e30,
+                                                                                            link_latency_s=0.0,
+                                                                                            all_reduce_bandwidth=1e30),
+                                                                     base).phases["train"]
+    assert t[("z3", "engine")] - t[("z3", "base")] == pytest.approx(
+        0.5 * (t[("dp", "base")] - compute), rel=1e-6)  # half the training compute on top
+    with pytest.raises(ValueError, match="train_sharded_s needs train_s"):
+        Calibration(train_sharded_s=1.0)
+
+
 def test_concurrent_calibration_is_the_slowdown_of_phases_that_run_on_every_device():
     # A phase measured alone and while every device runs it: the ratio slows exactly the phases that keep every
     # device busy (co-located, staleness-1 disaggregated), not the alternating synchronous disaggregated schedule,

@@ -84,3 +84,39 @@ def test_every_planner_candidate_trains_like_colocated_four_ranks(tmp_path):
     assert results[0]["interleaved-sharded"]["engines"]["ref"] == pytest.approx(
         results[1]["interleaved-sharded"]["engines"]["ref"])
     assert "ref" not in results[2]["interleaved-sharded"]["engines"]
+
+
+def _per_role_strategies(rank: int, world_size: int, output_dir: str):
+    from test_placement_ppo_equivalence import _build
+
+    from hf_placement import PlacementPlan
+
+    torch.set_num_threads(1)
+    out = {}
+    # two "nodes" of 2 ranks (LOCAL_WORLD_SIZE=2): IIG keeps the actor's parameter gathers and gradient reductions
+    # inside a node and partitions only the optimizer state across nodes; ref and reward ZeRO-3 inside their halves
+    plans = {"colocated": "colocated",
+             "interleaved-IIG": PlacementPlan.interleaved(4, sharded_roles={"actor": "IIG", "critic": "IIG",
+                                                                            "ref": "GGG", "reward": "GGG"})}
+    for name, plan in plans.items():
+        trainer = _build(f"{output_dir}/{name}", plan, per_device=2, iterations=2)
+        trainer.train()
+        with trainer.full_weights():
+            params = {k: v.detach().clone().numpy() for k, v in trainer.model.state_dict().items()}
+        engine = trainer.sharding.engines.get("actor")
+        out[name] = {"params": params, "strategy": None if engine is None else engine.strategy.name,
+                     "group_size": None if engine is None else engine.topology.group_size,
+                     "terms": None if engine is None else dict(engine.last_step_terms)}
+    return out
+
+
+@pytest.mark.slow
+def test_a_strategy_per_sharded_role_across_two_nodes(tmp_path):
+    results = run_distributed(_per_role_strategies, 4, str(tmp_path), timeout=400, env={"LOCAL_WORLD_SIZE": "2"})
+    base = results[0]["colocated"]["params"]
+    for r, res in enumerate(results):
+        iig = res["interleaved-IIG"]
+        assert iig["strategy"] == "IIG" and iig["group_size"] == 2, r
+        assert iig["terms"]["t_sync_g"] > 0  # IIG reduces across nodes once per step (optimizer states are G)
+        for key in base:
+            np.testing.assert_allclose(iig["params"][key], base[key], rtol=1e-4, atol=2e-5, err_msg=f"rank {r}: {key}")
