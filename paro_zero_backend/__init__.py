@@ -14,6 +14,18 @@
   with a ``"paro"`` section (PaRO-CC inside ZeRO, or the whole job on `ParoEngine` with ``"strategy"``).
 """
 
+from hf_placement.partition import (
+    KNOWN_EQUIVALENTS,
+    VALID_STRATEGIES,
+    Level,
+    Schedule,
+    Strategy,
+    memory_bytes,
+    parse_strategy,
+    schedule_for,
+    traffic,
+)
+
 from .collectives import (
     CollectiveResult,
     CommCounter,
@@ -32,8 +44,6 @@ from .cost_model import (
     GuidelineTable,
     advise,
     bytes_per_element,
-    memory_bytes,
-    traffic,
 )
 from .deepspeed_cc import DeepSpeedParoCC, UnsupportedDeepSpeedError, deepspeed_paro_cc
 from .ds_config import DeepSpeedStyleEngine, ParoSection, paro_config_from_deepspeed
@@ -41,8 +51,6 @@ from .ds_config import initialize as deepspeed_initialize
 from .engine import LocalState, ParoEngine, ShardPiece
 from .fsdp2_cc import ParoCCHandle, enable_paro_cc
 from .resolve import ResolvedStrategy, measure_bandwidths, resolve_strategy
-from .schedule import Schedule, schedule_for
-from .strategies import KNOWN_EQUIVALENTS, VALID_STRATEGIES, Level, Strategy, parse_strategy
 
 __all__ = [
     "CollectiveResult",

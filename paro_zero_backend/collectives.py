@@ -8,8 +8,8 @@ collective runs at inter-group speed. PaRO-CC (paper §3.2) splits each global c
 - reduce-scatter (RS_G): intra-group reduce-scatter (RS_I) first, then inter-group reduce-scatter (RS_E);
 - all-reduce (AR_G): RS_I, then all-reduce across groups (AR_E) on the 1/m chunk, then AG_I.
 
-Block layout. The engine keeps every flat buffer in the *device-major* order (`paro_zero_backend.schedule`): a buffer
-of ``n`` equal blocks where rank ``r = i*m + j`` (group ``i``, local index ``j``) owns block ``k = j*ng + i``.
+Block layout. The engine keeps every flat buffer in the *device-major* order (`hf_placement.partition.schedule`): a
+buffer of ``n`` equal blocks where rank ``r = i*m + j`` (group ``i``, local index ``j``) owns block ``k = j*ng + i``.
 Then the 1/m chunk of local rank ``j`` (blocks ``j*ng .. j*ng + ng - 1``) is contiguous, AG_I/RS_I cut the buffer
 into ``m`` contiguous chunks and AG_E/RS_E cut one chunk into ``ng`` contiguous blocks: no collective ever needs a
 strided copy. The public functions below default to ``order="rank"`` (block ``r`` belongs to rank ``r``), the
@@ -34,8 +34,7 @@ import torch
 import torch.distributed as dist
 
 from hf_placement import all_gather_single, reduce_scatter_single
-
-from .schedule import AG_GLOBAL, Collective, Op, Span
+from hf_placement.partition.schedule import AG_GLOBAL, Collective, Op, Span
 
 __all__ = [
     "CollectiveResult",
@@ -64,7 +63,7 @@ class CommCounter:
     collectives (``paro_cc=False``), whose ring crosses group boundaries and therefore runs at inter-group speed;
     ``control``: small scalar exchanges (norms, overflow flags). ``terms``: the same bytes (control excluded) by the
     schedule term the engine was executing (``t_param``, ``t_gradient``, ``t_sync_g``, ``t_sync_p``; see
-    `paro_zero_backend.schedule`), so each term can be held against its formula.
+    `hf_placement.partition.schedule`), so each term can be held against its formula.
     """
 
     bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LINKS, 0))
@@ -143,7 +142,7 @@ class _Comm:
 
     # --- schedule execution ----------------------------------------------------------------------------------
     def run(self, collectives: Sequence[Collective], x: torch.Tensor) -> torch.Tensor:
-        """Apply a schedule entry (`paro_zero_backend.schedule`) to ``x``, collective after collective; with no
+        """Apply a schedule entry (`hf_placement.partition.schedule`) to ``x``, collective after collective; with no
         collectives ``x`` itself comes back. All-reduces work in place on their input."""
         for c in collectives:
             x = self._ops[(c.op, c.span)](x)

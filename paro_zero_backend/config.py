@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .strategies import Strategy, parse_strategy
+from hf_placement.partition import Strategy, parse_strategy
 
 __all__ = ["ParoConfig"]
 

@@ -1,7 +1,7 @@
 """`ParoEngine`: PaRO-DP training (and sharded inference) for any of the 14 strategies, in plain ``torch.distributed``.
 
 Procedure (paper §3.1), per bucket of parameters; the collectives of each point come from the schedule table
-(`paro_zero_backend.schedule`), which the cost model prices too:
+(`hf_placement.partition.schedule`), which the cost model prices too:
 
 every micro-step
   1. forward: a forward pre-hook on each unit gathers its buckets (t_param) and the post-hook releases them;
@@ -40,14 +40,14 @@ import torch.distributed as dist
 from torch import nn
 
 from hf_placement import Topology, build_topology
+from hf_placement.partition import Level, Strategy, parse_strategy
+from hf_placement.partition.schedule import gather_to_full, schedule_for, shard_span, slice_range
 
 from ._buckets import Bucket, ParamSlot, build_buckets, build_units
 from ._hooks import install_unit_hooks
 from ._optimizer import OptimizerLike, rebuild_optimizer
 from .collectives import CommCounter, _Comm
 from .config import ParoConfig
-from .schedule import gather_to_full, schedule_for, shard_span, slice_range
-from .strategies import Level, Strategy, parse_strategy
 
 __all__ = ["LocalState", "ParoEngine", "ShardPiece"]
 

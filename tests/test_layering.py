@@ -1,8 +1,10 @@
 """The layers of the house, checked on the source: every import of every library module, including imports inside
 functions, parsed with `ast` and held against the forbidden arrows of ARCHITECTURE.md.
 
-- the topology base (`hf_placement` outside its `runtime` / `planner` wings) knows no engine, trainer or integration,
-  and none of its wings (its ``__main__`` dispatches to the planner's CLI);
+- the topology base (`hf_placement` outside its `runtime` / `planner` wings, `hf_placement.partition` included) knows
+  no engine, trainer or integration, and none of its wings (its ``__main__`` dispatches to the planner's CLI);
+- the wings sit on the base, below the engine: they import no engine, trainer or integration either (the placement
+  planner prices sharded roles with the base's partition schedule, not the engine's);
 - the engine (`paro_zero_backend`) never imports an integration (`accelerate_plugins`), a trainer, or the placement
   wings: engines are plain torch on the topology base;
 - `tea_pipeline`, `antdt_callbacks` and `gmeta_trainer` stand alone (no package of ours);
@@ -63,6 +65,8 @@ def forbidden(src_layer: str, src_module: str, dst_module: str) -> str | None:
         if dst in WINGS and src_module == "hf_placement.__main__":
             return None  # `python -m hf_placement plan` dispatches to the planner's CLI
         return "the topology base knows no engine, trainer, integration or wing of its own"
+    if src_layer in WINGS and dst in ("paro_zero_backend", "trl_trainers", "accelerate_plugins"):
+        return "the placement wings sit on the base, below the engine: no engine, trainer or integration"
     if src_layer == "paro_zero_backend" and dst != "hf_placement":
         return "the engine is plain torch on the topology base: no integration, trainer or placement wing"
     if src_layer in STANDALONE:
@@ -95,6 +99,8 @@ def test_the_check_catches_each_forbidden_arrow():
         ("hf_placement.plan", "from trl_trainers import PPOTrainer"): "base",
         ("hf_placement.groups", "def f():\n    from accelerate_plugins import ParoPlugin\n"): "base",
         ("hf_placement.topology", "from .planner import rank_plans"): "base",
+        ("hf_placement.planner.memory", "from paro_zero_backend import memory_bytes"): "wings",
+        ("hf_placement.runtime.dispatch", "from trl_trainers import PPOTrainer"): "wings",
         ("hf_placement.groups", "import paro_zero_backend"): "base",
         ("paro_zero_backend.__main__", "def launch():\n    from accelerate_plugins.paro_plugin import X\n"): "engine",
         ("paro_zero_backend.engine", "from hf_placement.runtime import Timeline"): "engine",
@@ -111,7 +117,7 @@ def test_the_check_catches_each_forbidden_arrow():
     allowed = {
         ("paro_zero_backend.engine", "from hf_placement import build_topology"),
         ("trl_trainers.placement.sharding", "from paro_zero_backend import ParoEngine"),
-        ("hf_placement.planner.memory", "from paro_zero_backend import memory_bytes"),
+        ("hf_placement.planner.memory", "from ..partition import memory_bytes"),
         ("hf_placement.__main__", "from .planner.cli import main"),
         ("accelerate_plugins.paro_accelerator", "from paro_zero_backend import ParoEngine"),
         ("hf_placement.runtime.dispatch", "from ..plan import PlacementPlan"),

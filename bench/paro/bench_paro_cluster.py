@@ -34,9 +34,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from hf_placement.partition import VALID_STRATEGY_NAMES  # noqa: E402
 from hf_placement.testing.emulated_cluster import ClusterRunError, EmulatedCluster  # noqa: E402
 from paro_zero_backend import GuidelineInputs, advise, bytes_per_element  # noqa: E402
-from paro_zero_backend.strategies import VALID_STRATEGY_NAMES  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "_worker.py"
 BASELINES = ["ds:1", "ds:2", "ds:3", "fsdp2:full", "fsdp2:hybrid"]

@@ -18,7 +18,7 @@ Phase costs (per device, batch ``b`` on that device, model of ``Φ`` parameters,
   broadcast / point-to-point ``B/β + α``.
 
 Sharded roles are priced with the schedule of the PaRO engine that shards them
-(`paro_zero_backend.cost_model.collectives`: which collective, over which group, how often, for the role's
+(`hf_placement.partition.collectives`: which collective, over which group, how often, for the role's
 strategy): the trained models pay it for every optimizer step of the iteration; every phase that runs a sharded
 model without gradients (generation, the experience forwards, the trainer's side of a weight sync) pays one
 parameter gather of it, because the trainer pins the full weights for the whole phase.
@@ -44,8 +44,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from paro_zero_backend.cost_model import collectives as paro_collectives
-
+from ..partition import collectives as partition_collectives
 from ..plan import BASE_ROLES, DEFAULT_SHARD_STRATEGY, PlacementPlan
 from .memory import ModelSizes, model_state_bytes
 
@@ -407,7 +406,7 @@ class _Costs:
         m = plan.role_group_size(role, self.hw.devices_per_node)
         wb = self.hw.weight_bytes
         # PPO shards whole models (one unit each), which keep their gathered weights from forward to backward
-        return paro_collectives(plan.sharded_roles[role], psi, psi_t, len(ranks), m, max(1, round(micro_steps)),
+        return partition_collectives(plan.sharded_roles[role], psi, psi_t, len(ranks), m, max(1, round(micro_steps)),
                                 bytes_param=wb, bytes_grad=wb, reshard_after_forward=False)
 
     def _price(self, plan: PlacementPlan, role: str, records: list[dict], scale: float = 1.0) -> float:

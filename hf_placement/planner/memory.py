@@ -13,7 +13,7 @@ Bytes per element of each state:
 
 A role in ``plan.sharded_roles`` is held the way the PaRO engine that shards it holds it: its strategy partitions
 weights, gradients and optimizer state over the role's ranks (``n``) or inside groups of ``m`` of them, so this
-module prices every role with `paro_zero_backend.memory_bytes` (an unsharded role is strategy ``"NNN"``), the same
+module prices every role with `hf_placement.partition.memory_bytes` (an unsharded role is strategy ``"NNN"``), the same
 formula the engine's own byte counts are checked against. With LoRA (``lora_fraction`` = adapter parameters / model
 parameters) a trained role holds its frozen base weights plus the adapter's weights, gradients and optimizer state.
 For four equal models of Φ parameters in fp32 this gives, per rank: co-located 40Φ, interleaved 36Φ, disaggregated
@@ -26,8 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from paro_zero_backend import memory_bytes as paro_memory_bytes
-
+from ..partition import memory_bytes as partition_memory_bytes
 from ..plan import BASE_ROLES, DEFAULT_SHARD_STRATEGY, ROLES, SHADOW_OF, TRAINED_ROLES, PlacementPlan
 
 __all__ = ["BYTES_PER_PARAM", "MemoryReport", "MemoryVerdict", "ModelSizes", "STATE_BYTES", "model_state_bytes",
@@ -108,10 +107,10 @@ def role_state_bytes(plan: PlacementPlan, role: str, sizes: ModelSizes, precisio
         total = psi + (trained if sizes.lora_fraction is not None else 0.0)  # base weights + adapter weights
     n = len(plan.ranks(role))
     if role not in plan.sharded_roles:  # replicated: every rank holds everything (the intra group does not matter)
-        return float(paro_memory_bytes("NNN", total, trained, n, n, weights, grads, optim)["total"])
+        return float(partition_memory_bytes("NNN", total, trained, n, n, weights, grads, optim)["total"])
     strategy = plan.sharded_roles[role]
     m = plan.role_group_size(role, ranks_per_node)
-    return float(paro_memory_bytes(strategy, total, trained, n, m, weights, grads, optim)["total"])
+    return float(partition_memory_bytes(strategy, total, trained, n, m, weights, grads, optim)["total"])
 
 
 def model_state_bytes(plan: PlacementPlan, sizes: ModelSizes | Mapping[str, float], precision: str = "fp32",

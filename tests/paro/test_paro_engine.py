@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hf_placement import find_free_port, run_distributed
+from hf_placement.partition import VALID_STRATEGY_NAMES
 from paro_zero_backend import (
     ParoConfig,
     ParoEngine,
@@ -33,7 +34,6 @@ from paro_zero_backend import (
     resolve_strategy,
     traffic,
 )
-from paro_zero_backend.strategies import VALID_STRATEGY_NAMES
 from paro_zero_backend.testing import make_adamw, make_batches, max_rel_diff, paro_train, reference_run, tiny_gpt2
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(900)]

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
+from hf_placement.partition import VALID_STRATEGY_NAMES
 from paro_zero_backend import GuidelineInputs, ParoConfig, advise, memory_bytes, parse_strategy, traffic
 from paro_zero_backend.__main__ import main
 from paro_zero_backend.cost_model import estimate_compute_time_s
-from paro_zero_backend.strategies import VALID_STRATEGY_NAMES
 
 GIB = 2**30
 # The paper's cluster (§4.5): 4 nodes x 8 A100-80GB, NVLink 2000 Gbit/s, RoCE 80 Gbit/s per GPU, s = 10,
@@ -144,7 +144,7 @@ def test_cli_hf_config(tmp_path, capsys):
 @pytest.mark.parametrize("paro_cc", [True, False])
 def test_collectives_sum_to_traffic(paro_cc):
     """The per-call split the latency/factor terms use moves exactly the bytes of the §4.4 traffic table."""
-    from paro_zero_backend.cost_model import collectives
+    from hf_placement.partition import collectives
 
     for st in VALID_STRATEGY_NAMES:
         want = traffic(st, 1000, 400, 8, 2, 3, bytes_param=2, bytes_grad=4, paro_cc=paro_cc)

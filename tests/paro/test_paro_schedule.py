@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from hf_placement.partition import VALID_STRATEGY_NAMES, Level, Span, divisor, slice_range
 from paro_zero_backend import bytes_per_element, memory_bytes, schedule_for, traffic
-from paro_zero_backend.schedule import Span, divisor, slice_range
-from paro_zero_backend.strategies import VALID_STRATEGY_NAMES, Level
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYOUTS = ((1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 2), (32, 8), (6, 3))
@@ -103,9 +102,13 @@ def test_bytes_per_element_of_the_engine():
 
 
 def test_levels_are_analysed_only_in_the_schedule():
-    """The N/I/G semantics are written once: other engine modules look them up instead of branching on levels."""
+    """The N/I/G semantics are written once (`hf_placement.partition`): the engine, the guideline, the placement
+    planner and the trainer look them up instead of branching on levels."""
     pattern = re.compile(r"Level\.I|Level\.G|\(N, I\)|\(I, G\)")
-    offenders = [f"{path.name}:{k + 1}" for path in sorted((ROOT / "paro_zero_backend").glob("*.py"))
-                 if path.name not in ("schedule.py", "strategies.py")
+    partition = ROOT / "hf_placement" / "partition"
+    allowed = {partition / "schedule.py", partition / "strategies.py"}
+    packages = ("hf_placement", "paro_zero_backend", "trl_trainers", "accelerate_plugins")
+    offenders = [f"{path.relative_to(ROOT)}:{k + 1}" for package in packages
+                 for path in sorted((ROOT / package).rglob("*.py")) if path not in allowed
                  for k, line in enumerate(path.read_text().splitlines()) if pattern.search(line)]
     assert offenders == []

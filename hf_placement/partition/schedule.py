@@ -3,7 +3,7 @@
 A level says over which ranks one model state is split (paper §3.1): N (not split), I (split over the ``m`` ranks of
 a group, replicated across the ``ng = n / m`` groups) or G (split over all ``n`` ranks). Everything the engine does
 with a strategy, and everything the cost model charges for it, follows from the four tables below. The engine
-executes them (`ParoEngine` looks its collectives up here) and `paro_zero_backend.cost_model` prices them, so the
+executes them (`ParoEngine` looks its collectives up here) and `hf_placement.partition.costs` prices them, so the
 byte counters the engine keeps and the formulas the guideline ranks by cannot drift apart.
 
 Terms of one optimizer step of ``s`` micro-steps (paper §3.1, procedure per bucket), with the level(s) that key them:

@@ -5,7 +5,7 @@ ranks, gradients inside the group, optimizer states across all ``n`` ranks. Leve
 ``N < I < G``. The paper's validity rule is that optimizer states must be split at least as finely as both
 parameters and gradients: a coarser os copy would cost memory and save no communication. That leaves 14 of the 27
 combinations (paper §3.1). What each level means for communication is written once, in
-`paro_zero_backend.schedule`.
+`hf_placement.partition.schedule`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class Level(enum.IntEnum):
     G = 2  # partitioned over all n ranks
 
     def divisor(self, world_size: int, group_size: int) -> int:
-        """``d(level)`` in the memory formula: 1, m or n (`paro_zero_backend.schedule.divisor`)."""
+        """``d(level)`` in the memory formula: 1, m or n (`divisor` in `hf_placement.partition.schedule`)."""
         from .schedule import divisor  # the schedule module defines the levels' semantics and imports this one
 
         return divisor(self, world_size, group_size)
