@@ -1,4 +1,5 @@
-"""Command line: ``python -m gmeta_trainer build-tasks ...`` turns interactions into Meta-IO task records on disk.
+"""Command line: ``python -m gmeta_trainer build-tasks ...`` turns interactions into Meta-IO task records on disk;
+``python -m gmeta_trainer export ...`` consolidates a checkpoint with row-sharded tables.
 
 Examples::
 
@@ -8,6 +9,9 @@ Examples::
     # any interaction table (.parquet, .csv, .json/.jsonl, or a datasets save_to_disk folder)
     python -m gmeta_trainer build-tasks --interactions clicks.parquet --task-column user_id \\
         --sparse-columns item_id,category --dense-columns price --label-column click --out tasks/clicks
+
+    # per-rank shards of a 2-rank run -> one checkpoint that loads (and resumes) on any world size
+    python -m gmeta_trainer export out/checkpoint-500 out/checkpoint-500-consolidated
 """
 
 from __future__ import annotations
@@ -54,7 +58,31 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--max-support-size", type=int, default=None, help="padded support slots (default 20 for ML)")
     b.add_argument("--small-tasks", choices=("error", "drop"), default="error")
     b.add_argument("--seed", type=int, default=0)
+    e = sub.add_parser("export", help="consolidate a checkpoint with row-sharded tables (per-rank shard files) into "
+                                      "one that loads on any world size",
+                       description="Read every rank's gmeta_shards/ files of CHECKPOINT and write OUT: "
+                                   "model.safetensors with the dense parameters and the full tables under their "
+                                   "unsharded names (loads into the unsharded model), the optimizer state of all "
+                                   "rows, and the Trainer's files, so `trainer.train(resume_from_checkpoint=OUT)` "
+                                   "continues on any number of ranks. Runs in one process; no process group needed.")
+    e.add_argument("checkpoint", type=Path, metavar="CHECKPOINT",
+                   help="checkpoint directory holding gmeta_shards/ (e.g. out/checkpoint-500)")
+    e.add_argument("out", type=Path, metavar="OUT", help="output directory (must not exist unless --overwrite)")
+    e.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     args = parser.parse_args(argv)
+
+    if args.command == "export":
+        from .checkpoint import CheckpointError, read_index
+        from .export import export_consolidated
+
+        try:
+            out = export_consolidated(args.checkpoint, args.out, overwrite=args.overwrite)
+        except (CheckpointError, FileExistsError, ValueError) as exc:
+            raise SystemExit(f"export failed: {exc}") from exc
+        index = read_index(out)
+        tables = ", ".join(f"{n} ({t['rows']} x {t['embedding_dim']})" for n, t in index["tables"].items())
+        print(f"exported step {index['step']} of {index['source_world_size']} rank(s) -> {out}: {tables}")
+        return 0
 
     if args.movielens is not None:
         from .data import movielens_cold_start

@@ -13,17 +13,16 @@ Record layout (``Ks`` = ``max_support_size``, ``Kq`` = ``query_size``, ``F`` spa
 
 from __future__ import annotations
 
-import queue
-import threading
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-__all__ = ["MODEL_KEYS", "MetaIOConfig", "TaskPrefetcher", "build_task_records", "collate_tasks",
-           "load_task_records"]
+from .read_ahead import ReadAhead, ReadAheadStats
+
+__all__ = ["MODEL_KEYS", "MetaIOConfig", "TaskBatchDataset", "TaskBatchReader", "TaskPrefetcher",
+           "build_task_records", "collate_task_batch", "collate_tasks", "load_task_records"]
 
 MODEL_KEYS = ("sup_sparse", "sup_dense", "sup_y", "sup_w", "qry_sparse", "qry_dense", "qry_y", "qry_w")
 
@@ -219,11 +218,69 @@ def _flatten_arrow(col) -> np.ndarray:
     return col.to_numpy(zero_copy_only=False)
 
 
+class TaskBatchReader:
+    """Read meta-batches of task records as Arrow slices: columns are flattened and reshaped in bulk, skipping the
+    per-row Python decoding a `DataLoader` + `collate_tasks` does. ``read(idx)`` equals
+    ``collate_tasks([records[i] for i in idx])`` exactly, tasks in the order of ``idx``.
+
+    Args:
+        records (`datasets.Dataset`): task records (`build_task_records`).
+    """
+
+    def __init__(self, records):
+        self.records = records.with_format("arrow")
+        first = records.with_format("numpy")[0]
+        # per-record shapes and dtypes of the numeric model inputs (a string task_id stays out, as in collate_tasks)
+        self._shapes = {k: (np.asarray(first[k]).shape, np.asarray(first[k]).dtype) for k in (*MODEL_KEYS, "task_id")
+                        if k in first and np.asarray(first[k]).dtype.kind in "iuf"}
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def read(self, idx: Sequence[int] | np.ndarray) -> dict[str, torch.Tensor]:
+        idx = np.asarray(idx, dtype=np.int64)
+        # read in ascending order (contiguous Arrow slices), then put the tasks back in the requested order
+        sorted_idx = np.sort(idx)
+        back = np.searchsorted(sorted_idx, idx)
+        table = self.records[sorted_idx.tolist()]
+        out = {}
+        for k, (shape, dtype) in self._shapes.items():
+            flat = _flatten_arrow(table.column(k)).reshape(len(idx), *shape)
+            out[k] = torch.from_numpy(np.ascontiguousarray(flat[back], dtype=dtype))  # a writable copy
+        return out
+
+
+class TaskBatchDataset(torch.utils.data.Dataset):
+    """Map-style view of task records whose ``__getitems__`` returns a whole collated meta-batch through
+    `TaskBatchReader`; pair it with `collate_task_batch`. This is how a `DataLoader` (the Trainer's, with its
+    sampler and sharding) reads through Meta-IO: batches equal those of ``records`` + `collate_tasks`."""
+
+    def __init__(self, records):
+        self.records = records
+        self.reader = TaskBatchReader(records)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.records[int(i)]
+
+    def __getitems__(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        return self.reader.read(indices)
+
+
+def collate_task_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Collate function of `TaskBatchDataset`: its ``__getitems__`` already returns the collated batch."""
+    return batch
+
+
 class TaskPrefetcher:
     """Iterate meta-batches of whole tasks from task records, read by a background thread ``prefetch`` batches
-    ahead (Arrow slices -> tensors), so the training step does not wait on I/O.
+    ahead (`TaskBatchReader` on a `ReadAhead` thread), so the training step does not wait on I/O.
 
-    ``wait_seconds`` accumulates the time the consumer spent blocked waiting for a batch (the data-wait).
+    ``wait_seconds`` accumulates the time the consumer spent blocked waiting for a batch (the data-wait). An error in
+    the reader thread reaches the consumer as a `ReadAheadError` naming the batch, with the original as its cause;
+    a loop that stops early leaves no thread behind once the iterator is dropped.
 
     Args:
         records (`datasets.Dataset`): task records (`build_task_records`).
@@ -232,25 +289,31 @@ class TaskPrefetcher:
         prefetch (`int`, defaults to 4): batches read ahead.
         drop_last (`bool`, defaults to `True`): drop a last incomplete meta-batch (vmap batches keep one shape).
         rank (`int`), world_size (`int`): read only this rank's share of every epoch (strided over batches).
+        epochs (`int`, defaults to 1): passes over the records per iteration.
+        timeout (`float`, *optional*, defaults to 120): seconds to wait for one batch before raising `TimeoutError`.
     """
 
     def __init__(self, records, tasks_per_batch: int, shuffle: bool = True, seed: int = 0, prefetch: int = 4,
                  drop_last: bool = True, rank: int = 0, world_size: int = 1, epochs: int = 1,
-                 timeout: float = 120.0):
+                 timeout: float | None = 120.0):
         if tasks_per_batch < 1:
             raise ValueError(f"tasks_per_batch={tasks_per_batch} must be >= 1.")
         if prefetch < 1:
             raise ValueError(f"prefetch={prefetch} must be >= 1.")
-        self.records = records.with_format("arrow")
-        first = records.with_format("numpy")[0]
-        # per-record shapes and dtypes: Arrow columns are flattened and reshaped, skipping per-row Python decoding
-        self._shapes = {k: (np.asarray(first[k]).shape, np.asarray(first[k]).dtype) for k in (*MODEL_KEYS, "task_id")
-                        if k in first and np.asarray(first[k]).dtype.kind in "iuf"}
+        self.reader = TaskBatchReader(records)
+        self.records = self.reader.records
         self.tasks_per_batch, self.shuffle, self.seed = tasks_per_batch, shuffle, seed
         self.prefetch, self.drop_last, self.rank, self.world_size = prefetch, drop_last, rank, world_size
         self.epochs, self.timeout = epochs, timeout
-        self.wait_seconds = 0.0
-        self.batches_served = 0
+        self.stats = ReadAheadStats()
+
+    @property
+    def wait_seconds(self) -> float:
+        return self.stats.wait_seconds
+
+    @property
+    def batches_served(self) -> int:
+        return self.stats.items
 
     def _batches(self) -> list[np.ndarray]:
         out = []
@@ -267,49 +330,13 @@ class TaskPrefetcher:
         return len(self._batches())
 
     def _read(self, idx: np.ndarray) -> dict[str, torch.Tensor]:
-        table = self.records[np.sort(idx).tolist()]
-        out = {}
-        for k, (shape, dtype) in self._shapes.items():
-            flat = _flatten_arrow(table.column(k))
-            out[k] = torch.from_numpy(flat.reshape(len(idx), *shape).astype(dtype, copy=True))  # writable copy
-        return out
+        return self.reader.read(idx)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        q: queue.Queue = queue.Queue(maxsize=self.prefetch)
-        stop = threading.Event()
-        _END = object()
-
-        def worker():
-            try:
-                for idx in self._batches():
-                    if stop.is_set():
-                        return
-                    q.put(self._read(idx))
-                q.put(_END)
-            except BaseException as exc:  # noqa: BLE001 - surface reader errors in the consumer
-                q.put(exc)
-
-        thread = threading.Thread(target=worker, name="gmeta-task-prefetch", daemon=True)
-        thread.start()
+        batches = self._batches()
+        reader = ReadAhead((self._read(idx) for idx in batches), self.prefetch, name="gmeta-task-prefetch",
+                           timeout=self.timeout, stats=self.stats)
         try:
-            while True:
-                t0 = time.perf_counter()
-                try:
-                    item = q.get(timeout=self.timeout)
-                except queue.Empty:
-                    raise TimeoutError(f"TaskPrefetcher waited {self.timeout:.0f} s for a batch; the reader "
-                                       "thread is stalled.") from None
-                self.wait_seconds += time.perf_counter() - t0
-                if item is _END:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                self.batches_served += 1
-                yield item
+            yield from reader
         finally:
-            stop.set()
-            while thread.is_alive():
-                try:
-                    q.get_nowait()
-                except queue.Empty:
-                    thread.join(timeout=0.05)
+            reader.close()

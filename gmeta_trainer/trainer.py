@@ -8,21 +8,43 @@ schedulers, logging and checkpoints are the Trainer's own. What changes:
   ignores the surrounding ``no_grad``, so adaptation works in evaluation while nothing else builds a graph), with
   ``[label, weight]`` as labels; the default ``compute_metrics`` gives pooled and per-user AUC.
 * gradient clipping includes row-sharded embedding shards in the global norm (their squared norms are summed over
-  ranks), so every rank clips by the same factor.
+  ranks), so every rank clips by the same factor;
+* data: the Trainer's own DataLoaders (sampler, sharding, epoch seeding, resume skipping) with their reads moved to
+  Meta-IO, Arrow slices of whole tasks on a read-ahead thread (``meta_io_prefetch``, on by default): the same
+  batches in the same order, so a run is identical with it off;
+* checkpoints with row-sharded tables (`gmeta_trainer.checkpoint`): every rank writes its own rows and their
+  optimizer state, ``model.safetensors`` keeps the dense parameters, and ``resume_from_checkpoint`` continues
+  exactly on the same world size; `export_consolidated` makes one that loads on any world size.
+  ``save_model()`` still writes the whole unsharded model (the tables gathered) for inference.
 """
 
 from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from transformers import Trainer
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.utils import logging
 
+from .checkpoint import (
+    SHARDS_DIR,
+    IncompleteCheckpointError,
+    atomic_write,
+    dense_state_dict,
+    load_checkpoint_weights,
+    load_table_optimizer_state,
+    save_sharded_tables,
+)
 from .config import MetaTrainingArguments
-from .meta_io import collate_tasks
+from .meta_io import TaskBatchDataset, collate_task_batch, collate_tasks
 from .meta_learner import MetaLearner
 from .metrics import compute_cold_start_metrics
+from .read_ahead import ReadAheadDataLoader, ReadAheadStats, with_read_ahead
 
 __all__ = ["MetaTrainer"]
 
@@ -39,6 +61,10 @@ class MetaTrainer(Trainer):
         train_dataset / eval_dataset (`datasets.Dataset`): task records; ``per_device_*_batch_size`` counts tasks.
         data_collator (*optional*): defaults to `collate_tasks`.
         compute_metrics (*optional*): defaults to `compute_cold_start_metrics` (``auc``, ``user_auc``, ``logloss``).
+
+    Attributes:
+        meta_io_stats (`ReadAheadStats`): batches the training loaders handed out through Meta-IO read-ahead and the
+            seconds the training step waited for them (zero when ``meta_io_prefetch`` is off).
 
     Example:
 
@@ -77,6 +103,48 @@ class MetaTrainer(Trainer):
         super().__init__(model=model, args=args, data_collator=data_collator or collate_tasks,
                          train_dataset=train_dataset, eval_dataset=eval_dataset,
                          compute_metrics=compute_metrics or compute_cold_start_metrics, **kwargs)
+        self.meta_io_stats = ReadAheadStats()
+        self._writing_checkpoint = False
+
+    # ---- data: the Trainer's loaders, read through Meta-IO on a read-ahead thread
+
+    def get_train_dataloader(self):
+        return self._read_through_meta_io(super().get_train_dataloader(), self.meta_io_stats)
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        return self._read_through_meta_io(super().get_eval_dataloader(eval_dataset))
+
+    def get_test_dataloader(self, test_dataset):
+        return self._read_through_meta_io(super().get_test_dataloader(test_dataset))
+
+    def _read_through_meta_io(self, loader, stats: ReadAheadStats | None = None):
+        """Swap the single-process DataLoader inside accelerate's ``DataLoaderShard`` for one that reads the same
+        batch indices (same batch sampler) on a read-ahead thread, through `TaskBatchReader` when the dataset is a
+        `datasets.Dataset` with the default collator (otherwise through the dataset and collator given). The shard
+        keeps its RNG synchronisation, device placement and end-of-data bookkeeping in the training thread. A
+        mid-epoch resume (accelerate's ``skip_first_batches`` rebuilds the loader from this dataset and collate
+        function) still reads through `TaskBatchReader`, without the thread for the rest of that epoch."""
+        if not self.args.meta_io_prefetch:
+            return loader
+        from accelerate.data_loader import DataLoaderShard
+
+        base = getattr(loader, "base_dataloader", None)
+        if isinstance(base, ReadAheadDataLoader):  # a cached (persistent) eval loader
+            return loader
+        if self.args.dataloader_num_workers > 0 or type(loader) is not DataLoaderShard or base is None \
+                or base.batch_sampler is None:
+            logger.info("meta_io_prefetch: reading without the Meta-IO read-ahead thread (it needs "
+                        "dataloader_num_workers=0 and a per-rank DataLoaderShard; dispatch_batches loaders "
+                        "broadcast every batch, which must stay in the training thread).")
+            return loader
+        dataset = collate = None
+        import datasets
+
+        if base.collate_fn is collate_tasks and isinstance(base.dataset, datasets.Dataset):
+            dataset, collate = TaskBatchDataset(base.dataset), collate_task_batch
+        loader.base_dataloader = with_read_ahead(base, self.args.meta_io_prefetch_batches, dataset, collate,
+                                                 stats=stats)
+        return loader
 
     def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys=None):
         """Adapt on the support sets, predict the query sets: ``(loss, logits [T, Kq], labels [T, Kq, 2])``."""
@@ -89,34 +157,96 @@ class MetaTrainer(Trainer):
         labels = torch.stack([inputs["qry_y"], inputs["qry_w"]], dim=-1)
         return loss, out["logits"].detach(), labels
 
+    # ---- checkpoints with row-sharded tables
+
     def _sharded_tables(self) -> dict[str, nn.Module]:
         learner = self.accelerator.unwrap_model(self.model)
         return {name: m for name, m in learner.named_modules() if getattr(m, "is_sharded", False)}
 
+    def _save_checkpoint(self, model, trial) -> None:
+        """The Trainer's checkpoint, with row-sharded tables written per rank (`save_sharded_tables`) instead of
+        gathered; the shard files and their index are complete before the Trainer rotates old checkpoints away."""
+        self._writing_checkpoint = True
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._writing_checkpoint = False
+
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """Save the *unsharded* model: row-sharded tables are gathered (a collective, so every rank runs this; the
-        Trainer calls ``_save`` on all ranks) and stored under the unsharded names (``...embeddings.weight``), so the
-        checkpoint loads into the plain model for inference or export."""
+        """Inside a checkpoint, sharded tables go to per-rank shard files (every rank runs this: the Trainer calls
+        ``_save`` on all ranks) and ``model.safetensors`` holds the dense parameters. Otherwise (``save_model()``)
+        the tables are gathered (a collective) and stored under their unsharded names (``...embeddings.weight``),
+        so the file loads into the plain model for inference or export."""
         tables = self._sharded_tables()
         if tables and state_dict is None and dist.is_initialized():
-            full = {name: m.gather_full_weight() for name, m in tables.items()}
-            state_dict = {}
-            for key, value in self.accelerator.unwrap_model(self.model).state_dict().items():
-                owner = key.rsplit(".", 1)[0]
-                if owner in full and key.endswith(".local_weight"):
-                    state_dict[f"{owner}.weight"] = full[owner].contiguous()
-                else:
-                    state_dict[key] = value
+            learner = self.accelerator.unwrap_model(self.model)
+            if self._writing_checkpoint:
+                optimizer = None if self.args.save_only_model else self.optimizer
+                save_sharded_tables(learner, output_dir or self.args.output_dir, optimizer=optimizer,
+                                    step=self.state.global_step)
+                state_dict = dense_state_dict(learner)
+            else:
+                full = {name: m.gather_full_weight() for name, m in tables.items()}
+                state_dict = {}
+                for key, value in learner.state_dict().items():
+                    owner = key.rsplit(".", 1)[0]
+                    if owner in full and key.endswith(".local_weight"):
+                        state_dict[f"{owner}.weight"] = full[owner].contiguous()
+                    else:
+                        state_dict[key] = value
         super()._save(output_dir, state_dict=state_dict)
 
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """With sharded tables, ``optimizer.pt`` holds the dense parameters' state only (the rows' state is in the
+        shard files), written atomically like the scheduler."""
+        if not self._sharded_tables() or self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        if not self.args.should_save:
+            return
+        learner = self.accelerator.unwrap_model(self.model)
+        sharded = {id(p) for p in learner.parameters() if getattr(p, "_gmeta_sharded", False)}
+        state = self.optimizer.state_dict()
+        # state_dict() numbers parameters in param_groups order; drop the sharded ones' entries
+        order = [p for group in self.optimizer.param_groups for p in group["params"]]
+        drop = {i for i, p in enumerate(order) if id(p) in sharded}
+        state["state"] = {i: v for i, v in state["state"].items() if i not in drop}
+        atomic_write(os.path.join(output_dir, OPTIMIZER_NAME), lambda tmp: torch.save(state, tmp))
+        with warnings.catch_warnings():  # as the Trainer: the optimizer *is* saved, just above
+            warnings.filterwarnings("ignore", message=".*state of the optimizer.*")
+            scheduler_state = self.lr_scheduler.state_dict()
+        atomic_write(os.path.join(output_dir, SCHEDULER_NAME), lambda tmp: torch.save(scheduler_state, tmp))
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        learner = self.accelerator.unwrap_model(model if model is not None else self.model)
+        if (Path(resume_from_checkpoint) / SHARDS_DIR).is_dir():
+            if not (Path(resume_from_checkpoint) / TRAINER_STATE_NAME).is_file():
+                raise IncompleteCheckpointError(
+                    f"{resume_from_checkpoint} has no {TRAINER_STATE_NAME}: the save was interrupted before the "
+                    "Trainer finished it. Resume from an earlier checkpoint.")
+            load_checkpoint_weights(learner, resume_from_checkpoint, resume=True)
+            logger.info(f"Loaded dense parameters and sharded-table rows from {resume_from_checkpoint}.")
+            return
         if self._sharded_tables():
             raise NotImplementedError(
-                "resuming a run with row-sharded embedding tables from a Trainer checkpoint is not supported: the "
-                "checkpoint holds the gathered (unsharded) weights, and the optimizer state of the shards is not "
-                "saved per rank. Load the saved weights into the unsharded model and shard it again with "
-                "gmeta_trainer.shard_embeddings (optimizer state restarts), or train without sharding to resume.")
+                f"{resume_from_checkpoint} was saved without sharded tables (no {SHARDS_DIR}/), and this model has "
+                "row-sharded tables. Resume it with the unsharded model it was saved from, or load its weights into "
+                "the unsharded model and shard that with gmeta_trainer.shard_embeddings (the optimizer state then "
+                "restarts).")
         super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and (Path(checkpoint) / SHARDS_DIR).is_dir() and self.optimizer is not None:
+            learner = self.accelerator.unwrap_model(self.model)
+            load_table_optimizer_state(learner, self.optimizer, checkpoint)
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        if best is not None and (Path(best) / SHARDS_DIR).is_dir():
+            logger.info(f"Loading best model from {best} (score: {self.state.best_metric}).")
+            load_checkpoint_weights(self.accelerator.unwrap_model(self.model), best)
+            return
+        super()._load_best_model()
 
     def _clip_grad_norm(self, model):
         learner = self.accelerator.unwrap_model(model)

@@ -120,3 +120,70 @@ def test_cli_builds_task_records_from_an_interaction_file(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--help"])
     assert exc.value.code == 0
+
+
+def test_batch_reader_keeps_the_requested_task_order():
+    from gmeta_trainer import TaskBatchReader
+
+    recs = build_task_records(make_synthetic_interactions(num_users=12, num_items=30, seed=2),
+                              MetaIOConfig(sparse_columns=["item_id", "category"], dense_columns=["dense"],
+                                           support_size=8, query_size=6))
+    order = [5, 2, 9, 2]
+    got = TaskBatchReader(recs).read(order)
+    ref = collate_tasks([recs.with_format("numpy")[i] for i in order])
+    assert got.keys() == ref.keys()
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), k
+
+
+def _prefetch_threads() -> list[str]:
+    import gc
+    import threading
+
+    gc.collect()
+    return [t.name for t in threading.enumerate() if t.name == "gmeta-task-prefetch" and t.is_alive()]
+
+
+def test_prefetcher_errors_name_the_cause_and_early_stops_leave_no_thread(monkeypatch):
+    from gmeta_trainer import ReadAheadError, TaskBatchReader
+
+    recs = build_task_records(make_synthetic_interactions(num_users=20, num_items=30, seed=1),
+                              MetaIOConfig(sparse_columns=["item_id", "category"], dense_columns=["dense"],
+                                           support_size=8, query_size=6))
+    it = iter(TaskPrefetcher(recs, tasks_per_batch=2, shuffle=False, prefetch=2))
+    next(it)
+    assert _prefetch_threads() == ["gmeta-task-prefetch"]
+    del it  # a loop that stops early
+    assert _prefetch_threads() == []
+
+    read, calls = TaskBatchReader.read, {"n": 0}
+
+    def flaky(self, idx):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyError("sup_sparse")
+        return read(self, idx)
+
+    monkeypatch.setattr(TaskBatchReader, "read", flaky)
+    with pytest.raises(ReadAheadError, match=r"gmeta-task-prefetch thread failed reading item 3 .*KeyError") as exc:
+        list(TaskPrefetcher(recs, tasks_per_batch=2, shuffle=False, prefetch=2))
+    assert isinstance(exc.value.__cause__, KeyError)
+    assert _prefetch_threads() == []
+
+
+def test_a_process_that_leaves_a_prefetcher_mid_epoch_exits(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "leave.py"
+    script.write_text(
+        "from gmeta_trainer import MetaIOConfig, TaskPrefetcher, build_task_records, make_synthetic_interactions\n"
+        "recs = build_task_records(make_synthetic_interactions(num_users=40, num_items=30, seed=1),\n"
+        "    MetaIOConfig(sparse_columns=['item_id'], dense_columns=['dense'], support_size=8, query_size=6))\n"
+        "IT = iter(TaskPrefetcher(recs, tasks_per_batch=1, prefetch=1, epochs=50))\n"
+        "next(IT); next(IT)\n"  # the reader thread is blocked on a full queue when the interpreter exits
+        "print('leaving')\n")
+    # the subprocess timeout only turns a hang into a failure; nothing about its duration is asserted
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "leaving" in done.stdout
