@@ -10,7 +10,8 @@ from .config import LightTEAConfig
 from .data import TKGDataError, TKGPair, load_tkg_pair
 from .engine import AlignmentResult, LightTEA, RoundMetrics
 from .graph import TKGGraph, build_graph, time_counts
-from .propagation import aspect_features, l2n, propagate, seed_labels, triple_view
+from .kernels import native_kernels
+from .propagation import TripleLayout, aspect_features, l2n, propagate, seed_labels, triple_layout, triple_view
 from .similarity import TemporalSimilarity, TopK, blocked_topk
 from .sinkhorn import dense_sinkhorn, sparse_sinkhorn
 from .synthetic import make_synthetic_pair
@@ -25,6 +26,7 @@ __all__ = [
     "TKGPair",
     "TemporalSimilarity",
     "TopK",
+    "TripleLayout",
     "aspect_features",
     "blocked_topk",
     "build_graph",
@@ -32,9 +34,11 @@ __all__ = [
     "l2n",
     "load_tkg_pair",
     "make_synthetic_pair",
+    "native_kernels",
     "propagate",
     "seed_labels",
     "sparse_sinkhorn",
     "time_counts",
+    "triple_layout",
     "triple_view",
 ]

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 FUSIONS = ("sum", "concat")
+FEATURELESS_ROWS = ("exclude", "include")
 TIE_BREAKS = ("random", "first")
 
 MATMUL_PRECISIONS = ("auto", "bfloat16", "float32")  # LightTEAConfig.matmul_precision; see precision.py
@@ -66,6 +67,13 @@ class LightTEAConfig:
             arithmetic; when the search runs in bf16 the candidate rows are read as fp16, which halves the bytes of
             this memory-bound gather at a small rounding error, see `lowrank_topk`); at the Sinkhorn temperature of
             0.02 they carry almost all of a row's mass.
+        featureless_rows (`str`, *optional*, defaults to `"exclude"`):
+            What happens to source entities without any fact (so without structural features and time stamps):
+            every candidate ties for them, so which ``top_k`` candidates a top-k keeps is arbitrary. ``"exclude"``
+            keeps them out of the Sinkhorn normalisation (their scores are 0 and they count as misses unless a
+            tie-break lands on the truth), so they take no column mass from entities that can be aligned;
+            ``"include"`` normalises them with the rest, as the reference does (always so with
+            ``reference_compat=True``), which makes the metrics depend on how the top-k orders ties.
         matmul_precision (`str`, *optional*, defaults to `"auto"`):
             Dtype of the two large approximate products, the subspace candidate search and the triple view's random
             projections: ``"bfloat16"``, ``"float32"``, or ``"auto"`` (bf16 on CUDA and on CPUs that multiply bf16
@@ -90,7 +98,8 @@ class LightTEAConfig:
             Time id that means "unknown" and is left out of the temporal similarity. ``None`` detects it from
             ``time_id`` (id 0 labelled ``-inf`` in YAGO-WIKI); ICEWS has none, so its first day counts.
         seed (`int`, *optional*, defaults to `12306`):
-            Seed of the ``torch.Generator`` behind every random draw (labels, projections, tie breaks).
+            Seed of every random draw (labels, projections, tie breaks); each round and purpose gets its own
+            stream derived from it, so one more pseudo seed changes only its own label.
         device (`str`, *optional*, defaults to `"auto"`):
             ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
         reference_compat (`bool`, *optional*, defaults to `False`):
@@ -117,6 +126,9 @@ class LightTEAConfig:
         default=512, metadata={"help": "Rank of the subspace searched for top-k candidates (None or >= the feature "
                                           "width: exact search)."})
     rescore_top: int = field(default=64, metadata={"help": "Leading candidates per row re-scored in full width."})
+    featureless_rows: str = field(
+        default="exclude", metadata={"help": "Source entities without facts: 'exclude' them from Sinkhorn or "
+                                             "'include' them (the reference)."})
     matmul_precision: str = field(
         default="auto", metadata={"help": "Approximate products: 'auto', 'bfloat16' or 'float32'."})
     candidate_check_rows: int = field(
@@ -173,6 +185,9 @@ class LightTEAConfig:
                              "Sinkhorn scores lie in (0, 1], so use a value in (0, 1) (reference: 0.8).")
         if self.fusion not in FUSIONS:
             raise ValueError(f"LightTEAConfig.fusion={self.fusion!r} is not supported: use one of {FUSIONS}.")
+        if self.featureless_rows not in FEATURELESS_ROWS:
+            raise ValueError(f"LightTEAConfig.featureless_rows={self.featureless_rows!r} is not supported: use one "
+                             f"of {FEATURELESS_ROWS}.")
         if self.tie_break not in TIE_BREAKS:
             raise ValueError(f"LightTEAConfig.tie_break={self.tie_break!r} is not supported: use one of "
                              f"{TIE_BREAKS}.")

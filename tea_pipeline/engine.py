@@ -8,6 +8,7 @@ round share one blocked similarity pass.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -24,8 +25,8 @@ from .config import LightTEAConfig
 from .data import TKGPair
 from .graph import build_graph, time_counts
 from .precision import matmul_dtype
-from .propagation import l2n_, propagate, seed_labels, triple_view
-from .similarity import TemporalSimilarity, blocked_topk, candidate_recall, lowrank_topk
+from .propagation import csr, l2n_, propagate, seed_labels, triple_layout, triple_view
+from .similarity import TemporalSimilarity, TopK, blocked_topk, candidate_recall, lowrank_topk
 from .sinkhorn import sparse_sinkhorn
 
 logger = logging.getLogger(__name__)
@@ -154,7 +155,6 @@ class LightTEA:
         cfg = self.config
         self.timings = defaultdict(float)
         device = self.resolve_device()
-        gen = torch.Generator().manual_seed(cfg.seed)
         compat = cfg.reference_compat
         aspect_dim = self.aspect_dim(pair)
         low = torch.float32 if compat else matmul_dtype(cfg.matmul_precision, device)
@@ -168,6 +168,13 @@ class LightTEA:
         test_left, test_right = test[:, 0], test[:, 1]
         n_test = len(test)
         rows = torch.cat([test_left, test_right])
+        with self._stage("graph", device):
+            # which tuples feed which output row depends on the graph only: laid out once for all rounds
+            aspects = [(a, triple_layout(graph, a, rows)) for a in (graph.relation, graph.time)]
+            # the propagation products run on CSR copies, converted once rather than in every round
+            a_ee = csr(graph.entity_entity)
+            spread = [dataclasses.replace(a, x_from_head=csr(a.x_from_head), x_to_tail=csr(a.x_to_tail))
+                      for a, _ in aspects]
         with self._stage("temporal_similarity", device):
             simt = TemporalSimilarity(counts, test_right)
         train = torch.from_numpy(pair.seeds).to(device)
@@ -181,13 +188,14 @@ class LightTEA:
             t_round = time.perf_counter()
             self._round = rnd
             feats = []
-            for aspect in (graph.relation, graph.time):
+            for a, (aspect, layout) in enumerate(aspects):
                 with self._stage("label_propagation", device):
-                    e0 = seed_labels(graph.num_entities, train.cpu(), cfg.dim, gen).to(device)
-                    e_bar, x_cat = propagate(graph.entity_entity, aspect, e0, cfg.lp_steps)
+                    e0 = seed_labels(graph.num_entities, train.cpu(), cfg.dim, _stream(cfg.seed, rnd, 2 * a)).to(device)
+                    e_bar, x_cat = propagate(a_ee, spread[a], e0, cfg.lp_steps)
                 with self._stage("triple_view", device):
-                    feats.append(triple_view(graph, aspect, e_bar, x_cat, aspect_dim, cfg.mini_dim, gen, rows,
-                                             label_dim=cfg.dim, matmul_dtype=low))
+                    feats.append(triple_view(graph, aspect, e_bar, x_cat, aspect_dim, cfg.mini_dim,
+                                             _stream(cfg.seed, rnd, 2 * a + 1), rows,
+                                             label_dim=cfg.dim, matmul_dtype=low, layout=layout))
                 del e0, e_bar, x_cat
             with self._stage("fusion", device):
                 if cfg.fusion == "sum":
@@ -200,18 +208,30 @@ class LightTEA:
                 del fused
             last = rnd == cfg.rounds
             with self._stage("similarity_topk", device):
-                k_eval = min(top_k, n_test)
-                masked_k = min(top_k, int(open_right.sum()))
+                # Entities without any fact have all-zero features: no candidate can be told apart for them, so
+                # (featureless_rows="exclude") they are searched for nobody and kept out of Sinkhorn.
+                if compat or cfg.featureless_rows == "include":
+                    active = has_facts = None
+                    k_eval = min(top_k, n_test)
+                    masked_k = min(top_k, int(open_right.sum()))
+                else:
+                    active, has_facts = left.abs().amax(dim=1) > 0, right.abs().amax(dim=1) > 0
+                    k_eval = min(top_k, int(has_facts.sum()))
+                    masked_k = min(top_k, int((open_right & has_facts).sum()))
                 # While nothing is masked (round 1) the pseudo-seed search is the evaluation search itself.
                 unmasked = bool(open_left.all()) and bool(open_right.all()) and masked_k == k_eval
-                search = dict(masked_rows=None if last or unmasked else open_left,
-                              allowed_cols=None if last or unmasked else open_right, masked_k=masked_k)
                 subspace = not compat and cfg.candidate_dim is not None and cfg.candidate_dim < left.shape[1]
-                if not subspace:
-                    full, masked = blocked_topk(left, right, k_eval, cfg.block_rows, **search)
-                else:
-                    full, masked = lowrank_topk(left, right, k_eval, cfg.block_rows, cfg.candidate_dim,
-                                                cfg.rescore_top, gen, matmul_dtype=low, **search)
+                stream = _stream(cfg.seed, rnd, 4)
+
+                def search(lhs, rhs, k, masked_rows, allowed_cols, mk, subspace=subspace, stream=stream):
+                    if not subspace:
+                        return blocked_topk(lhs, rhs, k, cfg.block_rows, masked_rows, allowed_cols, mk)
+                    return lowrank_topk(lhs, rhs, k, cfg.block_rows, cfg.candidate_dim, cfg.rescore_top, stream,
+                                        masked_rows, allowed_cols, mk, matmul_dtype=low)
+
+                full, masked = _search_rows_with_facts(
+                    search, left, right, k_eval, None if last or unmasked else open_left,
+                    None if last or unmasked else open_right, masked_k, active, has_facts)
                 if unmasked and not last:
                     masked = full
             check = None
@@ -224,16 +244,17 @@ class LightTEA:
             with self._stage("temporal_similarity", device):
                 sims = self._with_time(full.values, simt(test_left, full.index))
             with self._stage("sinkhorn", device):
-                m = sparse_sinkhorn(sims, full.index, n_test, cfg.sinkhorn_temperature, cfg.sinkhorn_iterations)
+                m = sparse_sinkhorn(sims, full.index, n_test, cfg.sinkhorn_temperature, cfg.sinkhorn_iterations,
+                                    active)
             with self._stage("evaluation", device):
-                h1, h10, mrr = _evaluate(m, full.index, cfg.tie_break, gen)
+                h1, h10, mrr = _evaluate(m, full.index, cfg.tie_break, _stream(cfg.seed, rnd, 5))
                 best = m.argmax(dim=1)
                 predicted = test_right[full.index.gather(1, best[:, None])[:, 0]]
                 scores = m.gather(1, best[:, None])[:, 0]
             metrics = RoundMetrics(rnd, h1, h10, mrr, num_train_pairs=len(train), candidate_recall=check)
             if not last:
                 with self._stage("pseudo_seeds", device):
-                    new = self._pseudo_seeds(masked, open_left, open_right, test_left, test_right, simt,
+                    new = self._pseudo_seeds(masked, open_left, open_right, test_left, test_right, simt, active,
                                              round1=bool(open_left.all()))
                 if compat:
                     top_k = min(top_k, int(open_left.sum()))  # the reference shrinks top_k for good
@@ -274,7 +295,7 @@ class LightTEA:
         beta = self.config.beta
         return (1 - beta) * structural + beta * temporal if beta > 0 else structural
 
-    def _pseudo_seeds(self, masked, open_left, open_right, test_left, test_right, simt, round1: bool):
+    def _pseudo_seeds(self, masked, open_left, open_right, test_left, test_right, simt, active, round1: bool):
         """New pseudo seeds as rows (source, target, source test position, target test position).
 
         A source qualifies when its best Sinkhorn score exceeds the threshold; the result is one-to-one."""
@@ -290,7 +311,8 @@ class LightTEA:
         else:
             temporal = simt(test_left[left_pos], cand)
         sims = self._with_time(masked.values, temporal)
-        m = sparse_sinkhorn(sims, cand, len(test_right), cfg.sinkhorn_temperature, cfg.sinkhorn_iterations)
+        m = sparse_sinkhorn(sims, cand, len(test_right), cfg.sinkhorn_temperature, cfg.sinkhorn_iterations,
+                            None if active is None else active[left_pos])
         best_score, best = m.max(dim=1)
         chosen = torch.nonzero(best_score > cfg.pseudo_seed_threshold)[:, 0]
         target_pos = cand[chosen, best[chosen]]
@@ -302,6 +324,45 @@ class LightTEA:
         chosen, target_pos = chosen[first], target_pos[first]
         src_pos = left_pos[chosen]
         return torch.stack([test_left[src_pos], test_right[target_pos], src_pos, target_pos], dim=1)
+
+
+def _search_rows_with_facts(search, left, right, k, masked_rows, allowed_cols, masked_k, active, has_facts):
+    """``search(left, right, k, masked_rows, allowed_cols, masked_k)`` over the rows and columns with features only.
+
+    Rows without features (``~active``) get ``k`` placeholder candidates that never include their own truth (they
+    are kept out of Sinkhorn and count as misses); columns without features are nobody's candidate.
+    """
+    if active is None or (bool(active.all()) and bool(has_facts.all())):
+        return search(left, right, k, masked_rows, allowed_cols, masked_k)
+    rows, cols = torch.nonzero(active)[:, 0], torch.nonzero(has_facts)[:, 0]
+    sub_full, sub_masked = search(left[rows], right[cols], k, None if masked_rows is None else masked_rows[rows],
+                                  None if allowed_cols is None else allowed_cols[cols], masked_k)
+
+    def widen(sub: TopK, keep: torch.Tensor, out_rows: torch.Tensor) -> TopK:
+        width = sub.index.shape[1]
+        # placeholder columns i+1, i+2, ...: valid positions that are never row i's own truth (column i)
+        index = (out_rows[:, None] + 1 + torch.arange(width, device=left.device)[None, :]) % len(right)
+        values = torch.zeros(len(out_rows), width, dtype=sub.values.dtype, device=left.device)
+        index[keep], values[keep] = cols[sub.index], sub.values
+        return TopK(values, index)
+
+    full = widen(sub_full, active, torch.arange(len(left), device=left.device))
+    masked = None
+    if sub_masked is not None:
+        open_rows = torch.nonzero(masked_rows)[:, 0]
+        masked = widen(sub_masked, active[open_rows], open_rows)
+    return full, masked
+
+
+def _stream(seed: int, round_: int, purpose: int) -> torch.Generator:
+    """An independent random stream per (seed, round, purpose).
+
+    One generator for the whole run would make every later draw depend on how many numbers earlier draws took, so a
+    single extra pseudo seed would change all labels and projections that follow. Separate streams keep the effect
+    of a small change small: with one more seed pair, only that pair's label is new.
+    """
+    state = np.random.SeedSequence([seed, round_, purpose]).generate_state(2, dtype=np.uint32)
+    return torch.Generator().manual_seed(int(state[0]) << 31 | int(state[1]) >> 1)  # < 2**63
 
 
 def _first_occurrence(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,10 +10,12 @@ Legend: N entities, X aspect nodes, Q tuples, d label width, L = lp_steps, D = D
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 
 from .graph import AspectGraph, TKGGraph
+from .kernels import weighted_segment_sum
 
 EPS = 1e-12  # TensorFlow's l2_normalize floor on the squared norm: zero rows stay zero
 
@@ -38,7 +40,7 @@ def seed_labels(num_entities: int, seed_pairs: torch.Tensor, dim: int, generator
     return e0
 
 
-def _csr(m: torch.Tensor) -> torch.Tensor:
+def csr(m: torch.Tensor) -> torch.Tensor:
     """``m`` in CSR layout (torch marks CSR construction as beta with a warning; the products are stable)."""
     if m.layout != torch.sparse_coo:
         return m
@@ -53,7 +55,7 @@ def propagate(a_ee: torch.Tensor, aspect: AspectGraph, e0: torch.Tensor, steps: 
     es, xs = [e], [x]
     # CSR times a dense matrix is faster than coalesced COO for these products (bench/tea/README.md): convert once
     # here and reuse the CSR matrices in every step.
-    a_ee, x_from_head, x_to_tail = (_csr(m) for m in (a_ee, aspect.x_from_head, aspect.x_to_tail))
+    a_ee, x_from_head, x_to_tail = (csr(m) for m in (a_ee, aspect.x_from_head, aspect.x_to_tail))
     for _ in range(steps):
         x_new = l2n_(x_from_head @ e)  # aspect nodes gather from their head entities
         e_new = l2n_((a_ee @ e).add_(x_to_tail @ x))  # entities gather from neighbours (+ self) and aspect nodes
@@ -63,46 +65,81 @@ def propagate(a_ee: torch.Tensor, aspect: AspectGraph, e0: torch.Tensor, steps: 
     return l2n_(torch.cat(es, dim=1)), l2n_(torch.cat(xs, dim=1))
 
 
+@dataclass(frozen=True)
+class TripleLayout:
+    """The tuples of one aspect whose head is an output row, grouped by output row, and the distinct tails they reach.
+
+    It depends on the graph and the output rows only, never on the labels, so a run builds it once per aspect and
+    every round reuses it: ``crow`` / ``tail_pos`` are the CSR pattern (output row x position in ``tails``) shared by
+    all projections, ``tuple_x`` (CSR, selected tuples x X) the tuples' aspect nodes in the same order.
+    """
+
+    n_out: int
+    crow: torch.Tensor
+    tail_pos: torch.Tensor
+    tails: torch.Tensor
+    tuple_x: torch.Tensor
+
+
+def triple_layout(graph: TKGGraph, aspect: AspectGraph, rows: torch.Tensor | None = None) -> TripleLayout:
+    """`TripleLayout` of ``aspect`` for the entity rows ``rows`` (default: all entities, in id order)."""
+    head, tail = graph.tuple_head, graph.tuple_tail
+    device = head.device
+    ids = torch.arange(len(head), device=device)
+    n_out = graph.num_entities
+    if rows is not None:
+        out_of = torch.full((graph.num_entities,), -1, dtype=torch.long, device=device)
+        out_of[rows] = torch.arange(len(rows), device=device)
+        keep = out_of[head] >= 0
+        head, tail, ids = out_of[head[keep]], tail[keep], ids[keep]
+        n_out = len(rows)
+        order = torch.argsort(head, stable=True)  # CSR needs the tuples grouped by output row
+        head, tail, ids = head[order], tail[order], ids[order]
+    tails, tail_pos = torch.unique(tail, return_inverse=True)
+    crow = torch.zeros(n_out + 1, dtype=torch.long, device=device)
+    crow[1:] = torch.cumsum(torch.bincount(head, minlength=n_out), 0)
+    # The selected tuples' rows of tuple_x, renumbered in layout order.
+    tx = aspect.tuple_x.coalesce()
+    t_row, t_col = tx.indices()
+    new_row = torch.full((tx.shape[0],), -1, dtype=torch.long, device=device)
+    new_row[ids] = torch.arange(len(ids), device=device)
+    sel = new_row[t_row] >= 0
+    tuple_x = torch.sparse_coo_tensor(torch.stack([new_row[t_row[sel]], t_col[sel]]), tx.values()[sel],
+                                      (len(ids), tx.shape[1]), check_invariants=False).coalesce()
+    return TripleLayout(n_out, crow, tail_pos.contiguous(), tails, csr(tuple_x))
+
+
 def triple_view(graph: TKGGraph, aspect: AspectGraph, e_bar: torch.Tensor, x_cat: torch.Tensor, aspect_dim: int,
                 mini_dim: int, generator: torch.Generator, rows: torch.Tensor | None = None,
-                block: int = 16, label_dim: int | None = None,
-                matmul_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                block: int = 64, label_dim: int | None = None,
+                matmul_dtype: torch.dtype = torch.float32, layout: TripleLayout | None = None) -> torch.Tensor:
     """Relation/time-triple view: F_j[h] = sum_{(h,t)} W[(h,t), j] * (E_bar P_j)[t] for j < D, concatenated.
 
     ``W = T_x (X_cat Q)`` is the summed aspect embedding of every tuple, and each of the D columns gets its own random
     projection P_j ((L+1)d x mini_dim). Only the entity rows in ``rows`` are returned (default: all); the result is
-    row-normalised, ``len(rows) x (mini_dim * D)``.
+    row-normalised, ``len(rows) x (mini_dim * D)``. ``layout`` (`triple_layout` of the same graph, aspect and rows)
+    saves rebuilding the tuple layout on every call.
 
     Work layout (why it is fast): ``Z = E_bar P`` is one dense product over the tails that occur, ``block``
-    projections at a time; the sum over tuples is then, for every j, a CSR product ``S_j Z_j`` whose sparsity
-    pattern (head x tail) is shared by all j and whose values are ``W[:, j]``, so no Q-row intermediate is ever
-    materialised and each ``Z_j`` (tails x mini_dim) stays cache-resident. With ``label_dim``, the first
-    ``label_dim`` columns of ``E_bar`` are the normalised seed labels, which are zero outside the seeds: their share
-    of ``Z`` is computed for the seed rows only. ``matmul_dtype`` is the dtype of the ``E_bar P`` products (bf16:
-    inputs and outputs rounded to 8 mantissa bits, fp32 accumulation; the sparse sums after them stay fp32).
+    projections at a time; the sum over tuples is then ``out[h, j] = sum_q W[q, j] Z_j[tail(q)]`` for all j of the
+    block in one pass over the tuples (`kernels.weighted_segment_sum`), so no Q-row intermediate is ever
+    materialised. With ``label_dim``, the first ``label_dim`` columns of ``E_bar`` are the normalised seed labels,
+    which are zero outside the seeds: their share of ``Z`` is computed for the seed rows only. ``matmul_dtype`` is
+    the dtype of the ``E_bar P`` products (bf16: inputs and outputs rounded to 8 mantissa bits, fp32 accumulation;
+    the sparse sums after them stay fp32).
     """
     width = e_bar.shape[1]
     device = e_bar.device
     q = l2n(torch.randn(width, aspect_dim, generator=generator)).to(device)
     proj = l2n(torch.randn(aspect_dim, width, mini_dim, generator=generator)).to(device)
-    w = _csr(aspect.tuple_x) @ (x_cat @ q)  # Q x D
-    head, tail = graph.tuple_head, graph.tuple_tail
-    n_out = graph.num_entities
-    if rows is not None:
-        out_of = torch.full((graph.num_entities,), -1, dtype=torch.long, device=head.device)
-        out_of[rows] = torch.arange(len(rows), device=head.device)
-        keep = out_of[head] >= 0
-        head, tail, w = out_of[head[keep]], tail[keep], w[keep]
-        n_out = len(rows)
-        order = torch.argsort(head, stable=True)  # CSR needs the tuples grouped by output row
-        head, tail, w = head[order], tail[order], w[order]
-    # Only the tails that occur need Z = E_bar P; compact them once.
-    tails, tail_pos = torch.unique(tail, return_inverse=True)
-    e_tails = e_bar[tails]
+    if layout is None:
+        layout = triple_layout(graph, aspect, rows)
+    w = layout.tuple_x @ (x_cat @ q)  # selected tuples x D
+    e_tails = e_bar[layout.tails]
     sparse_rows = None
     if label_dim is not None and 0 < label_dim < width:
         nz = torch.nonzero(e_tails[:, :label_dim].abs().amax(dim=1) > 0)[:, 0]
-        if len(nz) < 0.75 * len(tails):
+        if len(nz) < 0.75 * len(e_tails):
             sparse_rows = nz
             e_labels = e_tails[nz, :label_dim].contiguous()
             e_tails = e_tails[:, label_dim:].contiguous()
@@ -111,28 +148,22 @@ def triple_view(graph: TKGGraph, aspect: AspectGraph, e_bar: torch.Tensor, x_cat
         e_tails = e_tails.to(matmul_dtype)
         if sparse_rows is not None:
             e_labels = e_labels.to(matmul_dtype)
-    crow = torch.zeros(n_out + 1, dtype=torch.long, device=device)
-    crow[1:] = torch.cumsum(torch.bincount(head, minlength=n_out), 0)
-    w_t = w.T.contiguous()  # D x Q: one contiguous value vector per projection
-    out = torch.empty(n_out, aspect_dim, mini_dim, device=device)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*[Ss]parse CSR tensor support is in beta.*")
-        for j0 in range(0, aspect_dim, block):
-            j1 = min(j0 + block, aspect_dim)
-            p = proj[j0:j1].permute(1, 0, 2).reshape(width, (j1 - j0) * mini_dim)
-            if low:
-                p = p.to(matmul_dtype)
-            if sparse_rows is None:
-                z = e_tails @ p  # |tails| x (b * mini_dim)
-            else:
-                z = e_tails @ p[label_dim:]
-                z.index_add_(0, sparse_rows, e_labels @ p[:label_dim])
-            # b x |tails| x mini_dim, fp32 for the sparse sums
-            z = z.view(-1, j1 - j0, mini_dim).transpose(0, 1).to(torch.float32, memory_format=torch.contiguous_format)
-            for j in range(j0, j1):
-                s_j = torch.sparse_csr_tensor(crow, tail_pos, w_t[j], (n_out, len(tails)), check_invariants=False)
-                out[:, j] = torch.sparse.mm(s_j, z[j - j0])
-    return l2n_(out.view(n_out, aspect_dim * mini_dim))
+    out = torch.empty(layout.n_out, aspect_dim * mini_dim, device=device)
+    for j0 in range(0, aspect_dim, block):
+        j1 = min(j0 + block, aspect_dim)
+        p = proj[j0:j1].permute(1, 0, 2).reshape(width, (j1 - j0) * mini_dim)
+        if low:
+            p = p.to(matmul_dtype)
+        if sparse_rows is None:
+            z = e_tails @ p  # |tails| x (b * mini_dim)
+        else:
+            z = e_tails @ p[label_dim:]
+            z.index_add_(0, sparse_rows, e_labels @ p[:label_dim])
+        if z.dtype != torch.float32:
+            z = z.float()  # the sparse sums run in fp32
+        weighted_segment_sum(layout.crow, layout.tail_pos, w[:, j0:j1], z, mini_dim,
+                             out[:, j0 * mini_dim:j1 * mini_dim])
+    return l2n_(out)
 
 
 def aspect_features(graph: TKGGraph, aspect: AspectGraph, train_pairs: torch.Tensor, dim: int, steps: int,

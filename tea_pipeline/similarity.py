@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .kernels import gathered_dot, topk_rows
+
 
 @dataclass
 class TopK:
@@ -47,14 +49,14 @@ def blocked_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: in
     for r0 in range(0, n, block_rows):
         r1 = min(r0 + block_rows, n)
         sims = left[r0:r1] @ right.T
-        v, i = torch.topk(sims, k, dim=1)
+        v, i = topk_rows(sims, k)
         vals[r0:r1], idx[r0:r1] = v, i
         if want_masked:
             sel = masked_rows[r0:r1]
             if bool(sel.any()):
                 sub = sims[sel]
                 sub[:, blocked] = float("-inf")
-                v, i = torch.topk(sub, masked_k, dim=1)
+                v, i = topk_rows(sub, masked_k)
                 pos = masked_pos[r0:r1][sel]
                 mvals[pos], midx[pos] = v, i
     return TopK(vals, idx), (TopK(mvals, midx) if want_masked else None)
@@ -146,24 +148,14 @@ def principal_basis(left: torch.Tensor, right: torch.Tensor, rank: int, generato
 
 def exact_scores(left: torch.Tensor, right: torch.Tensor, index: torch.Tensor, rows: torch.Tensor | None = None,
                  gather_rows: int = 512) -> torch.Tensor:
-    """``left[rows[i]] . right[index[i, c]]`` in the full space (rows default: all).
+    """``left[rows[i]] . right[index[i, c]]`` in the full space (rows default: all), see `kernels.gathered_dot`.
 
-    Rows go in chunks that gather about ``gather_rows`` candidate rows of ``right`` at a time, so the gathered block
-    stays cache-resident for the batched product (much larger chunks fall out of cache and run several times slower,
-    see bench/tea/README.md). The gather is memory-bound: ``right`` may be stored in a narrower dtype (fp16 halves
-    the bytes); the gathered rows are widened to ``left``'s dtype before the product, so only ``right``'s storage
-    rounding enters the scores.
+    The gather is memory-bound: ``right`` may be stored in a narrower dtype (fp16 halves the bytes); its rows are
+    widened to ``left``'s dtype for the product, so only ``right``'s storage rounding enters the scores. The PyTorch
+    path gathers about ``gather_rows`` candidate rows at a time (larger chunks fall out of cache and run several
+    times slower, see bench/tea/README.md).
     """
-    chunk = max(1, gather_rows // max(1, index.shape[1]))
-    out = torch.empty(index.shape, dtype=left.dtype, device=left.device)
-    for r0 in range(0, index.shape[0], chunk):
-        r1 = min(r0 + chunk, index.shape[0])
-        lrows = left[r0:r1] if rows is None else left[rows[r0:r1]]
-        cand = right.index_select(0, index[r0:r1].reshape(-1)).view(r1 - r0, index.shape[1], -1)
-        if cand.dtype != left.dtype:
-            cand = cand.to(left.dtype)
-        out[r0:r1] = torch.bmm(cand, lrows[:, :, None])[:, :, 0]
-    return out
+    return gathered_dot(left, right, index, rows, gather_rows)
 
 
 def rescore_topk(left: torch.Tensor, right: torch.Tensor, approx: TopK, rescore: int,

@@ -11,21 +11,25 @@ import torch
 
 
 def sparse_sinkhorn(sims: torch.Tensor, index: torch.Tensor, num_cols: int, temperature: float,
-                    iterations: int) -> torch.Tensor:
+                    iterations: int, active: torch.Tensor | None = None) -> torch.Tensor:
     """Sinkhorn on ``sims`` (rows x k) whose entry (i, c) sits in column ``index[i, c]``; returns rows x k scores.
 
     Each row is shifted by its maximum before ``exp``: the first row normalisation cancels any per-row factor, so
-    the result is unchanged while fp32 cannot overflow.
+    the result is unchanged while fp32 cannot overflow. Rows outside ``active`` (bool, rows) take no part: their
+    scores are 0 and they take no column mass from the others.
     """
     m = torch.exp((sims - sims.max(dim=1, keepdim=True).values) / temperature)
+    if active is not None:
+        m[~active] = 0.0
     flat = index.reshape(-1)
     col = torch.empty(num_cols, dtype=m.dtype, device=m.device)
+    tiny = torch.finfo(m.dtype).tiny  # only inactive rows and the columns they alone use have zero sums
     # In place, and `take` for the column gather: allocating fresh rows x k tensors in every iteration is measurably
     # slower (bench/tea/README.md), and the result is the same.
     for _ in range(iterations):
-        m.div_(m.sum(dim=1, keepdim=True))
+        m.div_(m.sum(dim=1, keepdim=True).clamp_(min=tiny))
         col.zero_().index_add_(0, flat, m.view(-1))
-        m.div_(torch.take(col, index))
+        m.div_(torch.take(col.clamp_(min=tiny), index))
     return m
 
 

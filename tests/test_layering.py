@@ -7,7 +7,8 @@ functions, parsed with `ast` and held against the forbidden arrows of ARCHITECTU
   planner prices sharded roles with the base's partition schedule, not the engine's);
 - the engine (`paro_zero_backend`) never imports an integration (`accelerate_plugins`), a trainer, or the placement
   wings: engines are plain torch on the topology base;
-- `tea_pipeline`, `antdt_callbacks` and `gmeta_trainer` stand alone (no package of ours);
+- `tea_pipeline`, `antdt_callbacks` and `gmeta_trainer` stand alone (no package of ours but `csrc`);
+- `csrc` (the native kernels and their loader) is the bottom layer: any package may use it, it imports none of ours;
 - no library module imports `bench`, `examples` or `tests`.
 """
 
@@ -18,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("hf_placement", "paro_zero_backend", "trl_trainers", "accelerate_plugins", "antdt_callbacks",
-            "gmeta_trainer", "tea_pipeline")
+            "gmeta_trainer", "tea_pipeline", "csrc")
 OURS = PACKAGES + ("bench", "examples", "tests")
 WINGS = ("hf_placement.runtime", "hf_placement.planner")
 STANDALONE = ("tea_pipeline", "antdt_callbacks", "gmeta_trainer")
@@ -61,6 +62,10 @@ def forbidden(src_layer: str, src_module: str, dst_module: str) -> str | None:
         return None
     if dst in ("bench", "examples", "tests"):
         return "library code never imports bench/, examples/ or tests/"
+    if src_layer == "csrc":
+        return "csrc is the bottom layer (kernels and their loader): it imports no other package of ours"
+    if dst == "csrc":
+        return None  # native kernels sit below everything, like a third-party dependency
     if src_layer == "hf_placement":
         if dst in WINGS and src_module == "hf_placement.__main__":
             return None  # `python -m hf_placement plan` dispatches to the planner's CLI
@@ -109,6 +114,7 @@ def test_the_check_catches_each_forbidden_arrow():
         ("gmeta_trainer.trainer", "from trl_trainers import PPOConfig"): "stands alone",
         ("trl_trainers.ppo_trainer", "from bench.placement import bench_placement"): "bench",
         ("hf_placement.planner.cli", "import examples.tour"): "bench",
+        ("csrc", "from tea_pipeline import LightTEA"): "bottom layer",
     }
     for (module, source), expect in cases.items():
         found = [forbidden(layer(module), module, t) for _, t in imports_of(source, module)]
@@ -116,6 +122,7 @@ def test_the_check_catches_each_forbidden_arrow():
     # and the allowed arrows stay allowed
     allowed = {
         ("paro_zero_backend.engine", "from hf_placement import build_topology"),
+        ("tea_pipeline.kernels", "import csrc"),
         ("trl_trainers.placement.sharding", "from paro_zero_backend import ParoEngine"),
         ("hf_placement.planner.memory", "from ..partition import memory_bytes"),
         ("hf_placement.__main__", "from .planner.cli import main"),

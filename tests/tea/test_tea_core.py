@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 
@@ -20,6 +21,7 @@ from tea_pipeline import (
     l2n,
     make_synthetic_pair,
     propagate,
+    seed_labels,
     sparse_sinkhorn,
     time_counts,
     triple_view,
@@ -237,6 +239,50 @@ def test_synthetic_pair_is_aligned_with_hits1_above_0_9() -> None:
     assert {"label_propagation", "similarity_topk", "sinkhorn", "temporal_similarity"} <= set(result.timings)
 
 
+def test_inactive_rows_take_no_part_in_sinkhorn() -> None:
+    """Rows outside ``active`` score 0 and the others get exactly the Sinkhorn of the active rows alone."""
+    gen = torch.Generator().manual_seed(4)
+    rows, k, num_cols = 30, 8, 40
+    index = torch.stack([torch.randperm(num_cols, generator=gen)[:k] for _ in range(rows)])
+    sims = torch.rand(rows, k, generator=gen, dtype=torch.float64)
+    active = torch.rand(rows, generator=gen) > 0.3
+    out = sparse_sinkhorn(sims, index, num_cols, temperature=0.05, iterations=10, active=active)
+    assert torch.all(out[~active] == 0) and torch.isfinite(out).all()
+    alone = sparse_sinkhorn(sims[active], index[active], num_cols, temperature=0.05, iterations=10)
+    torch.testing.assert_close(out[active], alone, rtol=1e-12, atol=0)
+
+
+def test_featureless_entities_are_kept_out_of_sinkhorn() -> None:
+    """Entities without facts cannot be aligned; excluded, they stop taking column mass from the others."""
+    pair = make_synthetic_pair(num_entities=400, num_times=20, seed=8)
+    facts = pair.facts
+    isolated = np.unique(pair.test[:60, 0])  # strip every fact of 60 test sources
+    keep = ~(np.isin(facts[:, 1], isolated) | np.isin(facts[:, 3], isolated))  # kg, head, relation, tail, ...
+    stripped = dataclasses.replace(pair, facts=facts[keep])
+    runs = {mode: LightTEA(LightTEAConfig(**FAST, featureless_rows=mode)).fit(stripped)
+            for mode in ("exclude", "include")}
+    excluded = runs["exclude"]
+    src = torch.from_numpy(excluded.predicted[:, 0])
+    lost = torch.from_numpy(np.isin(excluded.predicted[:, 0], isolated))
+    assert int(lost.sum()) >= 50 and torch.all(torch.from_numpy(excluded.scores)[lost] == 0)
+    assert (src == torch.from_numpy(stripped.test[:, 0])).all()
+    # on the entities that have facts, excluding the featureless ones does not align fewer
+    right = excluded.predicted[:, 1] == excluded.truth[:, 1]
+    right_inc = runs["include"].predicted[:, 1] == runs["include"].truth[:, 1]
+    assert right[~lost.numpy()].mean() >= right_inc[~lost.numpy()].mean()
+
+
+def test_one_more_seed_pair_changes_only_its_own_label(small_pair) -> None:
+    """Each round and purpose draws from its own stream: the labels of the first N seeds do not depend on N."""
+    from tea_pipeline.engine import _stream  # noqa: PLC0415
+
+    seeds = torch.from_numpy(small_pair.seeds)
+    a = seed_labels(small_pair.num_entities, seeds[:-1], 16, _stream(1, 2, 0))
+    b = seed_labels(small_pair.num_entities, seeds, 16, _stream(1, 2, 0))
+    assert torch.equal(a[seeds[:-1, 0]], b[seeds[:-1, 0]])
+    assert _stream(1, 2, 0).initial_seed() != _stream(1, 2, 1).initial_seed() != _stream(1, 3, 1).initial_seed()
+
+
 def test_two_runs_with_one_seed_give_identical_metrics(small_pair) -> None:
     runs = [LightTEA(LightTEAConfig(seed=11, **FAST)).fit(small_pair) for _ in range(2)]
     assert [r.as_dict() | {"seconds": 0} for r in runs[0].rounds] == \
@@ -257,6 +303,7 @@ def test_reference_compat_runs_and_variants_align(small_pair) -> None:
 @pytest.mark.parametrize("bad,field", [({"dim": 0}, "dim"), ({"alpha": 1.5}, "alpha"), ({"fusion": "max"}, "fusion"),
                                        ({"pseudo_seed_threshold": 1.0}, "pseudo_seed_threshold"),
                                        ({"device": "tpu"}, "device"),
+                                       ({"featureless_rows": "drop"}, "featureless_rows"),
                                        ({"reference_compat": True, "lp_steps": 3}, "lp_steps")])
 def test_config_errors_name_the_field(bad, field) -> None:
     with pytest.raises(ValueError, match=field):

@@ -1,0 +1,96 @@
+"""The three inner loops of a LightTEA round, each with a native kernel (``csrc/tea_kernels.cpp``) and a PyTorch path.
+
+Why native: a profile of the fp32 path on CPUs without bf16 units showed these loops spending most of their time
+on memory traffic that PyTorch's building blocks cannot avoid (one CSR product per triple-view projection, a
+gathered copy of every candidate row before its dot product, a full sort network per top-k row). The kernels do
+the same arithmetic in one pass each; ``bench/tea/README.md`` has the per-stage measurements.
+
+The native path is used for CPU tensors when ``csrc`` builds (see `csrc.load`; ``HF_SCALE_NATIVE=0`` forces the
+PyTorch path everywhere); CUDA tensors always take the PyTorch path. Both paths return the same values up to
+fp32 summation order (top-k: identical values; among equal values the native kernel lists lower columns first).
+"""
+
+from __future__ import annotations
+
+import warnings
+from types import ModuleType
+
+import torch
+
+__all__ = ["gathered_dot", "native_kernels", "topk_rows", "weighted_segment_sum"]
+
+_KERNEL = "tea_kernels"
+
+
+def _native(*tensors: torch.Tensor) -> ModuleType | None:
+    if any(t.device.type != "cpu" for t in tensors):
+        return None
+    try:
+        import csrc  # noqa: PLC0415
+    except ImportError:  # an install without the kernels package: PyTorch paths only
+        return None
+    return csrc.load(_KERNEL)
+
+
+def native_kernels() -> dict[str, str]:
+    """Which path the kernels take in this process: ``{"tea_kernels": "native" | "fallback: <reason>"}``."""
+    try:
+        import csrc  # noqa: PLC0415
+    except ImportError:
+        return {_KERNEL: "fallback: the csrc package is not installed"}
+    csrc.load(_KERNEL)
+    return {_KERNEL: csrc.status().get(_KERNEL, "not loaded")}
+
+
+def weighted_segment_sum(crow: torch.Tensor, col: torch.Tensor, w: torch.Tensor, z: torch.Tensor, m: int,
+                         out: torch.Tensor, native: bool = True) -> torch.Tensor:
+    """``out[h, j*m:(j+1)*m] = sum_{q in crow[h]:crow[h+1]} w[q, j] * z[col[q], j*m:(j+1)*m]``, written into ``out``.
+
+    ``crow`` / ``col`` are a CSR pattern (n x rows of ``z``) shared by all ``D = w.shape[1]`` projections; ``z`` is
+    ``rows x D*m``; ``out`` is ``n x D*m`` (any row stride, e.g. a column block of a wider matrix).
+    """
+    kernel = _native(z) if native else None
+    if kernel is not None:
+        return kernel.weighted_segment_sum(crow, col, w, z, m, out)
+    n, d = len(crow) - 1, w.shape[1]
+    zt = z.reshape(-1, d, m).transpose(0, 1).contiguous()  # D x rows x m: one dense operand per projection
+    wt = w.T.contiguous()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*[Ss]parse CSR tensor support is in beta.*")
+        for j in range(d):
+            s_j = torch.sparse_csr_tensor(crow, col, wt[j], (n, zt.shape[1]), check_invariants=False)
+            out[:, j * m:(j + 1) * m] = torch.sparse.mm(s_j, zt[j])
+    return out
+
+
+def gathered_dot(left: torch.Tensor, right: torch.Tensor, index: torch.Tensor, rows: torch.Tensor | None = None,
+                 gather_rows: int = 512, native: bool = True) -> torch.Tensor:
+    """``out[i, c] = left[rows[i]] . right[index[i, c]]`` (rows default: all), in ``left``'s dtype.
+
+    ``right`` may be stored narrower (fp16): its rows are widened before the product, so only its storage rounding
+    enters. The PyTorch path gathers about ``gather_rows`` candidate rows per chunk so that the gathered block stays
+    cache-resident for the batched product.
+    """
+    index = index.contiguous()
+    kernel = _native(left, right) if native else None
+    if kernel is not None and left.dtype == torch.float32 and right.dtype in (torch.float32, torch.float16):
+        return kernel.gathered_dot(left, right, index, None if rows is None else rows.contiguous())
+    chunk = max(1, gather_rows // max(1, index.shape[1]))
+    out = torch.empty(index.shape, dtype=left.dtype, device=left.device)
+    for r0 in range(0, index.shape[0], chunk):
+        r1 = min(r0 + chunk, index.shape[0])
+        lrows = left[r0:r1] if rows is None else left[rows[r0:r1]]
+        cand = right.index_select(0, index[r0:r1].reshape(-1)).view(r1 - r0, index.shape[1], -1)
+        if cand.dtype != left.dtype:
+            cand = cand.to(left.dtype)
+        out[r0:r1] = torch.bmm(cand, lrows[:, :, None])[:, :, 0]
+    return out
+
+
+def topk_rows(sims: torch.Tensor, k: int, native: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest entries of every row of ``sims`` and their columns, sorted by value (descending)."""
+    kernel = _native(sims) if native else None
+    if kernel is not None and sims.dtype == torch.float32 and sims.stride(-1) == 1:
+        values, index = kernel.topk_rows(sims, k)
+        return values, index
+    return torch.topk(sims, k, dim=1)
