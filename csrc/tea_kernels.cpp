@@ -9,6 +9,12 @@
 // gathered_dot: exact scores of candidate pairs without materialising the gathered rows.
 //   out[i, c] = dot(left[rows[i]], right[index[i, c]])      (rows defaults to 0..R-1; right fp32 or fp16)
 //
+// sinkhorn_: Sinkhorn normalisation of a sparse k-candidate matrix in place, one pass over it per iteration (the
+//   column divide of one iteration, the row normalisation and the column sums of the next are fused).
+//
+// dice_candidates: multiset Dice of time stamps for candidate pairs, 2 * sum_tau min(c1, c2) / (|c1| + |c2|), each
+//   left row's few (time, count) entries looked up in the candidates' dense count rows.
+//
 // topk_rows: the k largest entries of every row, sorted (value descending, then column ascending).
 //   A strided sample of the row gives a threshold that at least k entries reach (checked; if not, the whole row
 //   is selected exactly), so only the few entries above it are selected and sorted instead of the whole row.
@@ -223,8 +229,109 @@ std::vector<torch::Tensor> topk_rows(torch::Tensor sims, int64_t k) {
   return {vals, idx};
 }
 
+void sinkhorn_(torch::Tensor m, torch::Tensor index, int64_t num_cols, int64_t iterations) {
+  TORCH_CHECK(m.device().is_cpu() && m.scalar_type() == torch::kFloat && m.dim() == 2 && m.is_contiguous(),
+              "m must be a contiguous 2-D float32 CPU tensor");
+  TORCH_CHECK(index.scalar_type() == torch::kLong && index.sizes() == m.sizes() && index.is_contiguous(),
+              "index must be a contiguous int64 tensor shaped like m");
+  TORCH_CHECK(iterations >= 1, "iterations must be >= 1");
+  const int64_t r = m.size(0), k = m.size(1);
+  if (m.numel() > 0) {
+    TORCH_CHECK(index.min().item<int64_t>() >= 0 && index.max().item<int64_t>() < num_cols,
+                "index out of range for num_cols=", num_cols);
+  }
+  float* m_p = m.data_ptr<float>();
+  const int64_t* i_p = index.data_ptr<int64_t>();
+  const int threads = at::get_num_threads();
+  std::vector<float> partial(static_cast<size_t>(threads) * num_cols);
+  std::vector<float> col(num_cols);
+  // Zero sums (rows kept out, columns only they use) leave their zero entries as they are.
+  auto inverse = [](float x) { return x > 0.f ? 1.f / x : 0.f; };
+  // One pass: optionally divide row i by its columns' sums, then normalise it and add it to this thread's sums.
+  auto pass = [&](bool divide, bool accumulate) {
+    std::fill(partial.begin(), partial.end(), 0.f);
+    at::parallel_for(0, r, 256, [&](int64_t begin, int64_t end) {
+      float* acc = partial.data() + static_cast<size_t>(at::get_thread_num()) * num_cols;
+      for (int64_t i = begin; i < end; ++i) {
+        float* row = m_p + i * k;
+        const int64_t* idx = i_p + i * k;
+        if (divide) {
+          for (int64_t c = 0; c < k; ++c) row[c] = row[c] > 0.f ? row[c] / col[idx[c]] : row[c];
+        }
+        if (!accumulate) continue;
+        float sum = 0.f;
+        for (int64_t c = 0; c < k; ++c) sum += row[c];
+        const float inv = inverse(sum);
+        for (int64_t c = 0; c < k; ++c) {
+          row[c] *= inv;
+          acc[idx[c]] += row[c];
+        }
+      }
+    });
+    if (!accumulate) return;
+    for (int64_t j = 0; j < num_cols; ++j) {
+      float total = 0.f;
+      for (int t = 0; t < threads; ++t) total += partial[static_cast<size_t>(t) * num_cols + j];
+      col[j] = total;
+    }
+  };
+  pass(false, true);
+  for (int64_t it = 1; it < iterations; ++it) pass(true, true);
+  pass(true, false);
+}
+
+torch::Tensor dice_candidates(torch::Tensor crow, torch::Tensor col, torch::Tensor val, torch::Tensor totals,
+                              torch::Tensor left, torch::Tensor candidates, torch::Tensor right_dense,
+                              torch::Tensor right_totals) {
+  TORCH_CHECK(crow.scalar_type() == torch::kLong && col.scalar_type() == torch::kLong && crow.is_contiguous() &&
+                  col.is_contiguous(), "crow and col must be contiguous int64");
+  TORCH_CHECK(val.scalar_type() == torch::kFloat && totals.scalar_type() == torch::kFloat && val.is_contiguous() &&
+                  totals.is_contiguous(), "val and totals must be contiguous float32");
+  TORCH_CHECK(left.scalar_type() == torch::kLong && left.dim() == 1 && left.is_contiguous(),
+              "left must be a contiguous int64 vector");
+  TORCH_CHECK(candidates.scalar_type() == torch::kLong && candidates.dim() == 2 && candidates.is_contiguous() &&
+                  candidates.size(0) == left.size(0), "candidates must be contiguous int64, one row per left entity");
+  check_matrix(right_dense, "right_dense", torch::kFloat);
+  TORCH_CHECK(right_totals.scalar_type() == torch::kFloat && right_totals.is_contiguous() &&
+                  right_totals.size(0) == right_dense.size(0), "right_totals must hold one float per right row");
+  const int64_t r = candidates.size(0), k = candidates.size(1), n = crow.size(0) - 1, t = right_dense.size(1);
+  if (left.numel() > 0) {
+    TORCH_CHECK(left.min().item<int64_t>() >= 0 && left.max().item<int64_t>() < n, "left entity out of range");
+  }
+  if (candidates.numel() > 0) {
+    TORCH_CHECK(candidates.min().item<int64_t>() >= 0 && candidates.max().item<int64_t>() < right_dense.size(0),
+                "candidate out of range");
+  }
+  if (col.numel() > 0) {
+    TORCH_CHECK(col.min().item<int64_t>() >= 0 && col.max().item<int64_t>() < t, "time id out of range");
+  }
+  auto out = torch::empty({r, k}, right_dense.options());
+  const int64_t *crow_p = crow.data_ptr<int64_t>(), *col_p = col.data_ptr<int64_t>();
+  const int64_t *left_p = left.data_ptr<int64_t>(), *cand_p = candidates.data_ptr<int64_t>();
+  const float *val_p = val.data_ptr<float>(), *tot_p = totals.data_ptr<float>();
+  const float *dense_p = right_dense.data_ptr<float>(), *rtot_p = right_totals.data_ptr<float>();
+  const int64_t ds = right_dense.stride(0);
+  float* out_p = out.data_ptr<float>();
+  at::parallel_for(0, r, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t e = left_p[i], lo = crow_p[e], hi = crow_p[e + 1];
+      for (int64_t c = 0; c < k; ++c) {
+        const int64_t j = cand_p[i * k + c];
+        const float* row = dense_p + j * ds;
+        float num = 0.f;
+        for (int64_t q = lo; q < hi; ++q) num += std::min(row[col_p[q]], val_p[q]);
+        const float den = tot_p[e] + rtot_p[j];
+        out_p[i * k + c] = den > 0.f ? 2.f * num / std::max(den, 1e-12f) : 0.f;
+      }
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("weighted_segment_sum", &weighted_segment_sum, "Per-projection weighted CSR sums in one pass");
   module.def("gathered_dot", &gathered_dot, "Dot products of left rows with gathered right rows");
   module.def("topk_rows", &topk_rows, "Sorted top-k of every row (ties: lower column first)");
+  module.def("sinkhorn_", &sinkhorn_, "Sinkhorn iterations on a sparse k-candidate matrix, in place");
+  module.def("dice_candidates", &dice_candidates, "Multiset Dice of time stamps for candidate pairs");
 }

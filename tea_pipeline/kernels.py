@@ -1,9 +1,10 @@
-"""The three inner loops of a LightTEA round, each with a native kernel (``csrc/tea_kernels.cpp``) and a PyTorch path.
+"""The inner loops of a LightTEA round, each with a native kernel (``csrc/tea_kernels.cpp``) and a PyTorch path.
 
 Why native: a profile of the fp32 path on CPUs without bf16 units showed these loops spending most of their time
 on memory traffic that PyTorch's building blocks cannot avoid (one CSR product per triple-view projection, a
-gathered copy of every candidate row before its dot product, a full sort network per top-k row). The kernels do
-the same arithmetic in one pass each; ``bench/tea/README.md`` has the per-stage measurements.
+gathered copy of every candidate row before its dot product, a full sort network per top-k row, three passes and
+a scatter per Sinkhorn iteration, an entries x k gather for the time-stamp Dice). The kernels do the same
+arithmetic in one pass each; ``bench/tea/README.md`` has the per-stage measurements.
 
 The native path is used for CPU tensors when ``csrc`` builds (see `csrc.load`; ``HF_SCALE_NATIVE=0`` forces the
 PyTorch path everywhere); CUDA tensors always take the PyTorch path. Both paths return the same values up to
@@ -17,7 +18,8 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["gathered_dot", "native_kernels", "topk_rows", "weighted_segment_sum"]
+__all__ = ["csr_entries", "dice_candidates", "gathered_dot", "native_kernels", "sinkhorn_", "topk_rows",
+           "weighted_segment_sum"]
 
 _KERNEL = "tea_kernels"
 
@@ -94,3 +96,63 @@ def topk_rows(sims: torch.Tensor, k: int, native: bool = True) -> tuple[torch.Te
         values, index = kernel.topk_rows(sims, k)
         return values, index
     return torch.topk(sims, k, dim=1)
+
+
+def sinkhorn_(m: torch.Tensor, index: torch.Tensor, num_cols: int, iterations: int,
+              native: bool = True) -> torch.Tensor:
+    """``iterations`` rounds of row then column normalisation of ``m`` (rows x k, entry (i, c) in column
+    ``index[i, c]``), in place. Zero rows and the columns only they use stay zero."""
+    kernel = _native(m) if native else None
+    if kernel is not None and m.dtype == torch.float32 and m.is_contiguous():
+        kernel.sinkhorn_(m, index.contiguous(), num_cols, iterations)
+        return m
+    flat = index.reshape(-1)
+    col = torch.empty(num_cols, dtype=m.dtype, device=m.device)
+    tiny = torch.finfo(m.dtype).tiny  # only zero rows and the columns they alone use have zero sums
+    # In place, and `take` for the column gather: allocating fresh rows x k tensors in every iteration is measurably
+    # slower (bench/tea/README.md), and the result is the same.
+    for _ in range(iterations):
+        m.div_(m.sum(dim=1, keepdim=True).clamp_(min=tiny))
+        col.zero_().index_add_(0, flat, m.view(-1))
+        m.div_(torch.take(col.clamp_(min=tiny), index))
+    return m
+
+
+def csr_entries(crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor,
+                rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(local row, column, value) of the non-zeros of the CSR rows ``rows``."""
+    starts = crow[rows]
+    lens = crow[rows + 1] - starts
+    total = int(lens.sum())
+    row = torch.repeat_interleave(torch.arange(len(rows), device=lens.device), lens)
+    first = torch.cumsum(lens, 0) - lens
+    offs = torch.arange(total, device=lens.device) - first[row] + starts[row]
+    return row, col[offs], val[offs]
+
+
+def dice_candidates(crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor, totals: torch.Tensor,
+                    left: torch.Tensor, candidates: torch.Tensor, right_dense: torch.Tensor,
+                    right_totals: torch.Tensor, max_entries: int = 1 << 22, native: bool = True) -> torch.Tensor:
+    """Multiset Dice of entity ``left[i]`` (a CSR row of time counts) and right position ``candidates[i, c]`` (a
+    dense count row): ``2 * sum_tau min(c1, c2) / (|c1| + |c2|)``, 0 when both are empty; rows x k.
+
+    The PyTorch path works in chunks of about ``max_entries`` (non-zero x candidate) look-ups to bound memory.
+    """
+    kernel = _native(right_dense) if native else None
+    if kernel is not None and right_dense.dtype == torch.float32 and val.dtype == torch.float32:
+        return kernel.dice_candidates(crow, col, val, totals, left.contiguous(), candidates.contiguous(),
+                                      right_dense, right_totals.contiguous())
+    out = torch.zeros(candidates.shape, device=candidates.device)
+    lens = crow[left + 1] - crow[left]
+    per_row = (lens * candidates.shape[1]).cumsum(0)
+    r0 = 0
+    while r0 < len(left):
+        done = per_row[r0 - 1] if r0 else 0
+        r1 = max(r0 + 1, int(torch.searchsorted(per_row, done + max_entries, right=True)))
+        row, taus, cnts = csr_entries(crow, col, val, left[r0:r1])
+        if len(row):
+            right_vals = right_dense[candidates[r0:r1][row], taus[:, None]]  # entries x k
+            out[r0:r1].index_add_(0, row, torch.minimum(right_vals, cnts[:, None]))
+        r0 = r1
+    den = totals[left][:, None] + right_totals[candidates]
+    return torch.where(den > 0, 2.0 * out / den.clamp(min=1e-12), torch.zeros_like(out))

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels import gathered_dot, topk_rows
+from .kernels import csr_entries, dice_candidates, gathered_dot, topk_rows
 
 
 @dataclass
@@ -86,38 +86,20 @@ class TemporalSimilarity:
 
     def _entries(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(local row, time id, count) of the non-zeros of the given CSR rows."""
-        starts = self.crow[rows]
-        lens = self.crow[rows + 1] - starts
-        total = int(lens.sum())
-        row = torch.repeat_interleave(torch.arange(len(rows), device=lens.device), lens)
-        first = torch.cumsum(lens, 0) - lens
-        offs = torch.arange(total, device=lens.device) - first[row] + starts[row]
-        return row, self.col[offs], self.val[offs]
+        return csr_entries(self.crow, self.col, self.val, rows)
 
     def __call__(self, left_entities: torch.Tensor, candidates: torch.Tensor,
                  max_entries: int = 1 << 22) -> torch.Tensor:
         """Dice of ``left_entities[i]`` (entity ids) against right positions ``candidates[i, :]``: rows x k.
 
-        Rows are processed in chunks of about ``max_entries`` (non-zero x candidate) look-ups to bound memory.
+        Each left row's few non-zeros are looked up in its candidates' dense rows (`kernels.dice_candidates`).
         """
-        out = torch.zeros(candidates.shape, device=candidates.device)
-        lens = self.crow[left_entities + 1] - self.crow[left_entities]
-        per_row = (lens * candidates.shape[1]).cumsum(0)
-        r0 = 0
-        while r0 < len(left_entities):
-            done = per_row[r0 - 1] if r0 else 0
-            r1 = max(r0 + 1, int(torch.searchsorted(per_row, done + max_entries, right=True)))
-            row, taus, cnts = self._entries(left_entities[r0:r1])
-            if len(row):
-                right_vals = self.right_dense[candidates[r0:r1][row], taus[:, None]]  # entries x k
-                out[r0:r1].index_add_(0, row, torch.minimum(right_vals, cnts[:, None]))
-            r0 = r1
-        den = self.totals[left_entities][:, None] + self.right_totals[candidates]
-        return torch.where(den > 0, 2.0 * out / den.clamp(min=1e-12), torch.zeros_like(out))
+        return dice_candidates(self.crow, self.col, self.val, self.totals, left_entities, candidates,
+                               self.right_dense, self.right_totals, max_entries)
 
 
 def principal_basis(left: torch.Tensor, right: torch.Tensor, rank: int, generator: torch.Generator,
-                    sample_rows: int = 4096, iterations: int = 3,
+                    sample_rows: int = 2048, iterations: int = 3,
                     matmul_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Orthonormal ``D x rank`` basis of the leading principal directions of the (uncentred) rows of both sides.
 

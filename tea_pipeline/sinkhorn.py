@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .kernels import sinkhorn_
+
 
 def sparse_sinkhorn(sims: torch.Tensor, index: torch.Tensor, num_cols: int, temperature: float,
                     iterations: int, active: torch.Tensor | None = None) -> torch.Tensor:
@@ -21,16 +23,7 @@ def sparse_sinkhorn(sims: torch.Tensor, index: torch.Tensor, num_cols: int, temp
     m = torch.exp((sims - sims.max(dim=1, keepdim=True).values) / temperature)
     if active is not None:
         m[~active] = 0.0
-    flat = index.reshape(-1)
-    col = torch.empty(num_cols, dtype=m.dtype, device=m.device)
-    tiny = torch.finfo(m.dtype).tiny  # only inactive rows and the columns they alone use have zero sums
-    # In place, and `take` for the column gather: allocating fresh rows x k tensors in every iteration is measurably
-    # slower (bench/tea/README.md), and the result is the same.
-    for _ in range(iterations):
-        m.div_(m.sum(dim=1, keepdim=True).clamp_(min=tiny))
-        col.zero_().index_add_(0, flat, m.view(-1))
-        m.div_(torch.take(col.clamp_(min=tiny), index))
-    return m
+    return sinkhorn_(m, index, num_cols, iterations)
 
 
 def dense_sinkhorn(sims: torch.Tensor, index: torch.Tensor, num_cols: int, temperature: float,

@@ -19,7 +19,14 @@ import torch
 
 import csrc
 from tea_pipeline import LightTEA, LightTEAConfig, make_synthetic_pair
-from tea_pipeline.kernels import gathered_dot, native_kernels, topk_rows, weighted_segment_sum
+from tea_pipeline.kernels import (
+    dice_candidates,
+    gathered_dot,
+    native_kernels,
+    sinkhorn_,
+    topk_rows,
+    weighted_segment_sum,
+)
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +128,37 @@ def test_topk_rows_with_ties_and_masked_columns(native):
     ramp[:, ::16] = 1e6
     values, index = topk_rows(ramp, 400)
     _check_topk(values, index, ramp, 400)
+
+
+def test_sinkhorn_matches_the_pytorch_iterations(native):
+    gen = torch.Generator().manual_seed(6)
+    rows, k, num_cols = 300, 12, 90
+    index = torch.stack([torch.randperm(num_cols, generator=gen)[:k] for _ in range(rows)])
+    m = torch.exp(torch.rand(rows, k, generator=gen) / 0.05)
+    m[::7] = 0.0  # rows kept out of Sinkhorn
+    a = sinkhorn_(m.clone(), index, num_cols + 5, 15)  # 5 columns nobody uses
+    b = sinkhorn_(m.clone(), index, num_cols + 5, 15, native=False)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert torch.all(a[::7] == 0) and torch.isfinite(a).all()
+
+
+def test_dice_candidates_matches_the_pytorch_lookup(native):
+    gen = torch.Generator().manual_seed(7)
+    n, times, k = 80, 13, 9
+    dense = (torch.rand(n, times, generator=gen) < 0.2).float() * torch.randint(1, 4, (n, times), generator=gen)
+    dense[5] = 0  # an entity without time stamps
+    sparse = dense.to_sparse_csr()
+    crow, col, val = sparse.crow_indices(), sparse.col_indices(), sparse.values()
+    totals = dense.sum(1)
+    right = torch.randperm(n, generator=gen)[:40]
+    left = torch.cat([torch.tensor([5]), torch.randint(0, n, (30,), generator=gen)])
+    cand = torch.randint(0, 40, (len(left), k), generator=gen)
+    a = dice_candidates(crow, col, val, totals, left, cand, dense[right].contiguous(), totals[right])
+    b = dice_candidates(crow, col, val, totals, left, cand, dense[right].contiguous(), totals[right], native=False)
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    c1, c2 = dense[left][:, None, :], dense[right][cand]
+    ref = 2 * torch.minimum(c1, c2).sum(-1) / (c1.sum(-1) + c2.sum(-1)).clamp(min=1e-12)
+    torch.testing.assert_close(a, ref, rtol=1e-6, atol=1e-7)
 
 
 def test_native_kernels_reports_the_path():
