@@ -16,6 +16,8 @@ model in a placement plan): ``r`` is then the index of the rank among the topolo
 from __future__ import annotations
 
 import datetime
+import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -25,6 +27,8 @@ __all__ = ["GroupLayout", "Topology", "all_gather_single", "build_topology", "ne
            "reduce_scatter_single", "DEFAULT_GROUP_TIMEOUT_S"]
 
 DEFAULT_GROUP_TIMEOUT_S = 600.0
+
+logger = logging.getLogger(__name__)
 
 # torch 2.13 renamed the tensor-API collectives (the old names emit a FutureWarning) and older releases only have the
 # old ones: the base picks the name once, for every package that runs collectives on its groups.
@@ -175,6 +179,21 @@ def _check_ranks(ranks: Sequence[int], world: int) -> tuple[int, ...]:
     return out
 
 
+def _warn_if_groups_span_nodes(group_size: int) -> None:
+    """Warn when an explicit group size cuts the launcher's nodes so that an intra group spans two of them.
+
+    Launchers number ranks node by node (``LOCAL_WORLD_SIZE`` consecutive ranks per node), so intra groups of ``m``
+    consecutive ranks stay inside one node exactly when ``m`` divides ``LOCAL_WORLD_SIZE``. Otherwise every "intra"
+    collective crosses the slow inter-node link: supported (a deliberate experiment may want it) but most likely a
+    group size copied from another cluster.
+    """
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local and local.isdigit() and int(local) % group_size:
+        logger.warning("group_size=%d does not divide the launcher's LOCAL_WORLD_SIZE=%s (ranks per node): intra "
+                       "groups span nodes, so their collectives cross the inter-node link. Leave group_size unset to "
+                       "use LOCAL_WORLD_SIZE, or set it to one of %s.", group_size, local, _divisors(int(local)))
+
+
 def build_topology(group_size: int | None = None, timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
                    ranks: Sequence[int] | None = None) -> Topology:
     """Build (once per process-group lifetime) the groups of a two-level layout over ``ranks``.
@@ -190,8 +209,6 @@ def build_topology(group_size: int | None = None, timeout_s: float = DEFAULT_GRO
     topologies (``new_group`` is a collective over the whole world). Members get ``Topology(rank=<index in ranks>,
     ranks=tuple(ranks))``; other ranks get a topology whose ``is_member`` is False and whose groups are None.
     """
-    import os
-
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: call init_process_group first.")
     world = dist.get_world_size()
@@ -210,6 +227,8 @@ def build_topology(group_size: int | None = None, timeout_s: float = DEFAULT_GRO
     cached = _TOPOLOGY_CACHE.get(key)
     if cached is not None:
         return cached
+    if whole:
+        _warn_if_groups_span_nodes(layout.group_size)
     me = dist.get_rank()
     # Fixed order on every rank: the members' group (subsets only), all intra groups, then all inter groups.
     world_group = dist.group.WORLD if whole else new_process_groups([members], timeout_s)[0]
