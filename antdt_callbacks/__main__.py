@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 
@@ -67,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"antdt service listening on {svc.url} (db {args.db})", flush=True)
+    # What exists now (imported modules, the loaded state) lives as long as the process: keep it out of the cyclic
+    # collector's full collections, which would walk it all again each time and stop the service meanwhile.
+    gc.collect()
+    gc.freeze()
     try:
         svc.serve_forever()
     except KeyboardInterrupt:

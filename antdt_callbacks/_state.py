@@ -9,20 +9,25 @@ Legend of a shard's life (our state names, DLRover/ElasticDL lineage; AntDT's ow
 - ``DONE``  : every sample acked.
 
 `decide` never mutates its inputs: it validates the *whole* request first (so a rejected request changes nothing),
-then returns the rows to write and the reply. The store commits the rows (fsync) before the server replies, then
-`apply` folds them into the in-memory state. Acks are idempotent by construction (absolute offsets); leases carry a
+then returns the rows to write and the reply. `apply` folds them into the in-memory state; the server sends the
+reply only once the rows are committed (fsync), whether one request commits at a time or a group (see `server`).
+Lookups go through `ShardIndex` (`_index`), which `apply` keeps in step with the table, so a request costs what it
+touches rather than the size of the table. Acks are idempotent by construction (absolute offsets); leases carry a
 client request id whose reply is replayed, so a request retried after a crash between commit and reply is safe.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
+import functools
+import json
+from collections import ChainMap
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from ._index import ShardIndex
 from .config import ControllerConfig, JobConfig, MonitorConfig
 from .controller import Plan, controller_step, initial_control_state, monitor_observe
 from .errors import BadRequestError, FencedError, NotFoundError, StaleIncarnationError, UnknownWorkerError
@@ -34,8 +39,11 @@ OPS = ("register", "lease", "ack", "renew", "release", "commit", "restore", "pla
 _REPLY_CACHE = 64
 
 
-@dataclass(frozen=True)
-class Shard:
+class Shard(NamedTuple):
+    """One row of the shard table. A tuple of plain values rather than a dataclass: tuples holding only atomic values
+    are not tracked by the cyclic garbage collector, so the table (tens of thousands of rows) does not lengthen
+    its full collections, which stop the service."""
+
     epoch: int
     shard_id: int
     start: int
@@ -78,7 +86,12 @@ class JobState:
     workers: dict[int, Worker] = field(default_factory=dict)
     control: dict = field(default_factory=dict)
     snapshots: dict[int, dict] = field(default_factory=dict)
-    replies: dict[tuple[int, str], dict] = field(default_factory=dict)
+    replies: dict[tuple[int, str], str] = field(default_factory=dict)  # JSON text of cached lease replies
+    index: ShardIndex = field(default_factory=ShardIndex, repr=False, compare=False)
+
+    def reindex(self) -> None:
+        """Rebuild the lookup index after the shard table was set directly (load from the store)."""
+        self.index = ShardIndex.build(self.shards.values())
 
 
 @dataclass
@@ -94,11 +107,21 @@ class Decision:
     snapshot_drop: list[int] = field(default_factory=list)
     reply_cache: tuple[int, str] | None = None
     cached_reply: dict[str, Any] | None = None  # what `reply_cache` stores when it is not the whole reply
+    # Monitor entries this decision changed, per rank: ``{str(rank): {"last_step": ..., "pending": ..., ...}}``
+    # (every entry of those ranks). `apply` writes them into the state's Monitor maps in place; ``meta["control"]``
+    # then carries the rest of the control state, with the state's own Monitor.
+    monitor: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @functools.cached_property
+    def cache_text(self) -> str:
+        """JSON of what `reply_cache` stores: the state keeps it, and the file, as text (a string is not tracked by
+        the garbage collector; a cache of reply dicts, one per recent lease, would lengthen its collections)."""
+        return json.dumps(self.cached_reply if self.cached_reply is not None else self.reply)
 
     @property
     def mutates(self) -> bool:
         return bool(self.shards or self.replace_shards or self.workers or self.meta or self.snapshot_put
-                    or self.snapshot_drop or self.reply_cache)
+                    or self.snapshot_drop or self.reply_cache or self.monitor)
 
 
 def make_epoch_shards(job: JobConfig, epoch: int) -> list[Shard]:
@@ -122,6 +145,7 @@ def shard_sample_ids(job: JobConfig, epoch: int, shard_id: int, start: int, end:
 def new_job_state(job: JobConfig, monitor_cfg: MonitorConfig, controller_cfg: ControllerConfig) -> JobState:
     st = JobState(job, monitor_cfg, controller_cfg)
     st.shards = {s.key: s for s in make_epoch_shards(job, 0)}
+    st.reindex()
     st.control = initial_control_state(job.world_size, job.initial_batch_sizes())
     st.snapshots[0] = _snapshot(st)
     return st
@@ -181,8 +205,32 @@ def _worker(st: JobState, req: dict) -> tuple[int, int]:
 
 def _expired(st: JobState, now: float) -> dict[tuple[int, int], Shard]:
     """Leases past their deadline go back to TODO keeping their acked offset (only the tail is redone)."""
-    return {k: dataclasses.replace(s, state=TODO, owner=-1, incarnation=-1, deadline=0.0)
-            for k, s in st.shards.items() if s.state == DOING and s.deadline < now}
+    return {k: st.shards[k]._replace(state=TODO, owner=-1, incarnation=-1, deadline=0.0)
+            for k in st.index.expired(st.shards, now)}
+
+
+def _todo_head(st: JobState, changed: dict[tuple[int, int], Shard], n: int) -> list[Shard]:
+    """The first ``n`` TODO shards of the view (``st`` overlaid with ``changed``) in lease order."""
+    head = [v for v in changed.values() if v.state == TODO]
+    taken = 0
+    for k in st.index.todo_keys():
+        if taken >= n:
+            break
+        if k not in changed:
+            head.append(st.shards[k])
+            taken += 1
+    return sorted(head, key=lambda s: (s.epoch, s.order))[:n]
+
+
+def _doing_counts(st: JobState, changed: dict[tuple[int, int], Shard], rank: int) -> tuple[int, int]:
+    """(DOING shards of the view, of which ``rank``'s)."""
+    total = st.index.doing
+    for k, v in changed.items():
+        old = st.shards.get(k)
+        total += (v.state == DOING) - (old is not None and old.state == DOING)
+    mine = set(st.index.owned.get(rank, ())) | {k for k, v in changed.items() if v.owner == rank}
+    return total, sum(1 for k in mine if (v := _view(st, changed, k)) is not None and v.state == DOING
+                      and v.owner == rank)
 
 
 def _view(st: JobState, changed: dict[tuple[int, int], Shard], key: tuple[int, int]) -> Shard | None:
@@ -228,15 +276,16 @@ def _ack_then_lease(st: JobState, req: dict, now: float) -> Decision:
     if not isinstance(sub, dict):
         raise BadRequestError("field 'lease' must be an object {request_id, min_samples, max_shards}.")
     first = _ack(st, {k: v for k, v in req.items() if k != "lease"}, now)
-    view = dataclasses.replace(st, shards=dict(st.shards), replies=st.replies)
-    apply(view, first)
-    second = _lease(view, {**sub, "op": "lease", "rank": req.get("rank"), "incarnation": req.get("incarnation")},
-                    now)
+    # The lease reads the table as the ack leaves it: the ack's rows overlay the state (the ack changes nothing
+    # else the lease reads: not the epoch, the lease sequence or the reply cache).
+    second = _lease(st, {**sub, "op": "lease", "rank": req.get("rank"), "incarnation": req.get("incarnation")},
+                    now, base={s.key: s for s in first.shards})
     merged = {s.key: s for s in first.shards}
     merged.update({s.key: s for s in second.shards})
     d = Decision(reply={**first.reply, "lease": second.reply}, shards=list(merged.values()),
                  replace_shards=second.replace_shards, meta={**first.meta, **second.meta},
-                 reply_cache=second.reply_cache, cached_reply=second.reply if second.reply_cache else None)
+                 reply_cache=second.reply_cache, cached_reply=second.reply if second.reply_cache else None,
+                 monitor=first.monitor)
     if d.replace_shards:
         # The lease opened a new epoch: its shard list is the whole table, built on top of the ack's changes.
         d.shards = list(second.shards)
@@ -259,8 +308,8 @@ def _register(st: JobState, req: dict, now: float) -> Decision:
     d = Decision(reply={})
     # A newer incarnation fences every lease of the older one: its unconsumed tails go back to TODO.
     if old is not None and inc > old.incarnation:
-        d.shards = [dataclasses.replace(s, state=TODO, owner=-1, incarnation=-1, deadline=0.0)
-                    for s in st.shards.values() if s.state == DOING and s.owner == rank]
+        d.shards = [st.shards[k]._replace(state=TODO, owner=-1, incarnation=-1, deadline=0.0)
+                    for k in sorted(st.index.owned.get(rank, ()))]
     w = Worker(rank, inc, pid, cap)
     if w != old:
         d.workers = [w]
@@ -276,7 +325,8 @@ def _register(st: JobState, req: dict, now: float) -> Decision:
     return d
 
 
-def _lease(st: JobState, req: dict, now: float) -> Decision:
+def _lease(st: JobState, req: dict, now: float, base: dict[tuple[int, int], Shard] | None = None) -> Decision:
+    """``base``: rows of a decision not applied yet (an ack in the same request) that the lease must see."""
     rank, inc = _worker(st, req)
     req_id = req.get("request_id")
     if not isinstance(req_id, str) or not 0 < len(req_id) <= 64:
@@ -285,12 +335,13 @@ def _lease(st: JobState, req: dict, now: float) -> Decision:
     max_shards = _int(req, "max_shards", 1, 64, default=1)
     cached = st.replies.get((rank, req_id))
     if cached is not None:
-        return Decision(reply=cached)
+        return Decision(reply=json.loads(cached))
     changed = _expired(st, now)
+    if base:
+        changed.update(base)
     epoch = st.epoch
     d = Decision(reply={})
-    todo = sorted((s for s in st.shards.values() if _view(st, changed, s.key).state == TODO),
-                  key=lambda s: (s.epoch, s.order))
+    todo = _todo_head(st, changed, max_shards)
     if not todo and epoch + 1 < st.job.num_epochs:
         # No epoch barrier: the next epoch opens as soon as the current one has nothing left to lease (shards still
         # in flight finish in parallel), so ranks never idle at a boundary. Fully DONE epochs are dropped from the
@@ -312,8 +363,8 @@ def _lease(st: JobState, req: dict, now: float) -> Decision:
         for t in todo[:max_shards]:
             head = _view(st, changed, t.key)
             seq += 1
-            leased = dataclasses.replace(head, state=DOING, owner=rank, incarnation=inc, token=seq,
-                                         deadline=now + st.job.lease_ttl_s)
+            leased = head._replace(state=DOING, owner=rank, incarnation=inc, token=seq,
+                                   deadline=now + st.job.lease_ttl_s)
             changed[leased.key] = leased
             got.append(leased)
             samples += leased.size - leased.acked
@@ -324,9 +375,8 @@ def _lease(st: JobState, req: dict, now: float) -> Decision:
     else:
         # Drained: nothing left to lease in the last epoch. Only a lease that expires or is released can bring
         # work back; `others` says whether anybody but the caller still holds leases.
-        doing = [_view(st, changed, k) for k in st.shards if _view(st, changed, k).state == DOING]
-        others = sum(1 for s in doing if s.owner != rank)
-        d.reply = {"status": "wait", "others": others} if doing else {"status": "end"}
+        doing, mine = _doing_counts(st, changed, rank)
+        d.reply = {"status": "wait", "others": doing - mine} if doing else {"status": "end"}
     d.shards = list(changed.values())
     d.reply_cache = (rank, req_id)
     return d
@@ -351,29 +401,33 @@ def _ack(st: JobState, req: dict, now: float) -> Decision:
         if not s.acked <= offset <= s.size:
             raise BadRequestError(f"ack offset {offset} of shard {key} must lie in [acked={s.acked}, size={s.size}].")
         done = offset == s.size
-        updates[key] = dataclasses.replace(s, acked=offset, state=DONE if done else DOING,
-                                           deadline=s.deadline if done else now + st.job.lease_ttl_s)
+        updates[key] = s._replace(acked=offset, state=DONE if done else DOING,
+                                  deadline=s.deadline if done else now + st.job.lease_ttl_s)
     # Heartbeat piggyback: an accepted ack proves the worker alive, so it renews every other lease this
     # (rank, incarnation) holds. Only live DOING leases of the caller are touched (expired ones went back to TODO
     # above), so fencing is unchanged: a stalled or stale worker sends no accepted ack and its leases still expire.
-    for k in st.shards:
+    for k in sorted(st.index.owned.get(rank, ())):
         cur = updates.get(k) or _view(st, changed, k)
         if cur.state == DOING and cur.owner == rank and cur.incarnation == inc and k not in updates:
-            updates[k] = dataclasses.replace(cur, deadline=now + st.job.lease_ttl_s)
+            updates[k] = cur._replace(deadline=now + st.job.lease_ttl_s)
     d = Decision(reply={}, shards=list({**changed, **updates}.values()))
     reports = _metrics_list(req.get("metrics"))
     control = st.control
     if reports:
-        control = copy.deepcopy(st.control)
+        control = _control_for_monitor(st.control, rank)
+        key = str(rank)
         remaining = None
         for step, samples, compute_s in reports:
             # Several steps in one ack (the Agent coalesces): each closed window is a Controller round, exactly
             # as if the steps had arrived one request each.
-            if monitor_observe(control["monitor"], st.monitor_cfg, rank, step, samples, compute_s):
+            if (monitor_observe(control["monitor"], st.monitor_cfg, rank, step, samples, compute_s)
+                    and _round_due(st.control["monitor"]["closed"], key, control["monitor"]["closed"][key],
+                                   control["rounds"], st.job.world_size)):
                 if remaining is None:
                     remaining = _remaining_samples(st, updates)
                 control = controller_step(control, st.monitor_cfg, st.controller_cfg, remaining)
-        d.meta["control"] = control
+        d.monitor = {key: {name: view[key] for name, view in control["monitor"].items() if key in view}}
+        d.meta["control"] = {**control, "monitor": st.control["monitor"]}
     d.reply = {"ok": True, "plan": control["plan"]}
     return d
 
@@ -400,8 +454,33 @@ def _metrics_list(metrics) -> list[tuple[int, int, float]]:
     return out
 
 
+def _control_for_monitor(control: dict, rank: int) -> dict:
+    """A view of ``control`` in which `monitor_observe` may update ``rank`` without touching the state: each Monitor
+    map reads through an overlay that takes the writes, and this rank's mutable entries are copied into it first.
+    Copying the Monitor (let alone deep-copying the control state, windows and history included) would cost the world
+    size on every ack."""
+    key = str(rank)
+    overlay: dict[str, dict] = {name: ({key: list(m[key])} if isinstance(m.get(key), list) else {})
+                                for name, m in control["monitor"].items()}
+    mon = {name: ChainMap(overlay[name], m) for name, m in control["monitor"].items()}
+    return {**control, "monitor": mon}
+
+
+def _round_due(closed: dict[str, int], key: str, mine: int, rounds: int, world: int) -> bool:
+    """Whether every rank has closed a window since Controller round ``rounds`` (then `controller_step` runs a
+    round), given the state's closed-window counts and ``mine``, the caller's count after this ack. The same test
+    as `controller_step`'s, on the state's plain map at C speed: a window closes every few steps of every rank, and
+    going through the overlay view rank by rank each time would cost the world size in Python."""
+    if mine <= rounds or len(closed) + (key not in closed) < world:
+        return False
+    if min(closed.values()) > rounds:
+        return True
+    # The minimum may be the caller's own count before this ack: then every other rank must be past `rounds`.
+    return closed.get(key, 0) <= rounds and sum(1 for v in closed.values() if v <= rounds) == 1
+
+
 def _remaining_samples(st: JobState, updates: dict) -> int:
-    cur = sum(_view(st, updates, k).size - _view(st, updates, k).acked for k in st.shards)
+    cur = st.index.size - st.index.acked - sum(u.acked - st.shards[k].acked for k, u in updates.items())
     return cur + (st.job.num_epochs - 1 - st.epoch) * st.job.dataset_size
 
 
@@ -416,7 +495,7 @@ def _renew(st: JobState, req: dict, now: float) -> Decision:
             fenced.append([item.get("epoch"), item.get("shard_id"), item.get("token")])
             continue
         if s.state == DOING:
-            changed[s.key] = dataclasses.replace(s, deadline=now + st.job.lease_ttl_s)
+            changed[s.key] = s._replace(deadline=now + st.job.lease_ttl_s)
         renewed.append([s.epoch, s.shard_id, s.token])
     return Decision(reply={"renewed": renewed, "fenced": fenced}, shards=list(changed.values()))
 
@@ -431,7 +510,7 @@ def _release(st: JobState, req: dict, now: float) -> Decision:
         except FencedError:
             continue
         if s.state == DOING:
-            changed[s.key] = dataclasses.replace(s, state=TODO, owner=-1, incarnation=-1, deadline=0.0)
+            changed[s.key] = s._replace(state=TODO, owner=-1, incarnation=-1, deadline=0.0)
     return Decision(reply={"ok": True}, shards=list(changed.values()))
 
 
@@ -484,7 +563,9 @@ def _status(st: JobState, req: dict, now: float) -> Decision:
 
 
 def _metrics(st: JobState, req: dict, now: float) -> Decision:
-    return Decision(reply={"windows": st.control["monitor"]["windows"], "history": st.control["history"]})
+    # Copies: `apply` updates the Monitor's maps in place, and the reply is encoded after the service lock is left.
+    windows = {k: list(v) for k, v in st.control["monitor"]["windows"].items()}
+    return Decision(reply={"windows": windows, "history": list(st.control["history"])})
 
 
 _HANDLERS = {"register": _register, "lease": _lease, "ack": _ack, "renew": _renew, "release": _release,
@@ -494,9 +575,13 @@ _HANDLERS = {"register": _register, "lease": _lease, "ack": _ack, "renew": _rene
 def apply(st: JobState, d: Decision) -> None:
     """Fold a committed decision into the in-memory state."""
     if d.replace_shards:
-        st.shards = {}
-    for s in d.shards:
-        st.shards[s.key] = s
+        st.shards = {s.key: s for s in d.shards}
+        st.reindex()
+    else:
+        for s in d.shards:
+            st.index.update(st.shards.get(s.key), s)
+            st.shards[s.key] = s
+        st.index.prune(st.shards)
     for w in d.workers:
         st.workers[w.rank] = w
     if "epoch" in d.meta:
@@ -505,12 +590,15 @@ def apply(st: JobState, d: Decision) -> None:
         st.lease_seq = int(d.meta["lease_seq"])
     if "control" in d.meta:
         st.control = d.meta["control"]
+    for key, entries in d.monitor.items():
+        for name, value in entries.items():
+            st.control["monitor"].setdefault(name, {})[key] = value
     if d.snapshot_put is not None:
         st.snapshots[d.snapshot_put[0]] = d.snapshot_put[1]
     for k in d.snapshot_drop:
         st.snapshots.pop(k, None)
     if d.reply_cache is not None:
-        st.replies[d.reply_cache] = d.cached_reply if d.cached_reply is not None else d.reply
+        st.replies[d.reply_cache] = d.cache_text
         while len(st.replies) > _REPLY_CACHE * st.job.world_size:
             st.replies.pop(next(iter(st.replies)))
 

@@ -12,7 +12,7 @@ own values are not published.
 
 from __future__ import annotations
 
-import copy
+import heapq
 import math
 import statistics
 from dataclasses import dataclass
@@ -70,24 +70,57 @@ def proportional_split(total: int, rates: list[float], min_batch: int = 1) -> li
     s = sum(rates)
     raw = [total * r / s for r in rates]
     b = [max(min_batch, int(math.floor(x))) for x in raw]
+    # Each loop below takes, step by step, the rank a scan ``max(range(world), key=...)`` would take (the first one
+    # among equal keys), from a heap keyed (key, rank): a split costs O(world log world), not world times the
+    # residue, which the service pays every Controller round (bench/antdt/README.md).
     # Give the residue to the largest fractional parts; take any excess from the ranks furthest above their share.
-    while sum(b) < total:
-        i = max(range(world), key=lambda j: raw[j] - b[j])
-        b[i] += 1
-    while sum(b) > total:
-        i = max((j for j in range(world) if b[j] > min_batch), key=lambda j: b[j] - raw[j])
-        b[i] -= 1
+    if sum(b) < total:
+        heap = [(b[j] - raw[j], j) for j in range(world)]
+        heapq.heapify(heap)
+        for _ in range(total - sum(b)):
+            _, i = heapq.heappop(heap)
+            b[i] += 1
+            heapq.heappush(heap, (b[i] - raw[i], i))
+    elif sum(b) > total:
+        heap = [(raw[j] - b[j], j) for j in range(world) if b[j] > min_batch]
+        heapq.heapify(heap)
+        for _ in range(sum(b) - total):
+            _, i = heapq.heappop(heap)
+            b[i] -= 1
+            if b[i] > min_batch:
+                heapq.heappush(heap, (raw[i] - b[i], i))
     # Rounding for the synchronous step, not for the shares: move single samples off the rank that finishes last
     # while that shortens the predicted step ``max_i b_i / rate_i`` (largest-remainder rounding can leave the slow
     # rank one sample too many, e.g. [19, 7, 19, 19] for rates [231, 80, 231, 231] where [20, 6, 19, 19] is faster).
+    # Heap entries carry the batch size they were computed for; an entry whose rank has changed since is stale.
+    slow = [(-(b[j] / rates[j]), j, b[j]) for j in range(world)]  # the rank that finishes last first
+    take = [((b[j] + 1) / rates[j], j, b[j]) for j in range(world)]  # the rank one more sample costs least first
+    heapq.heapify(slow)
+    heapq.heapify(take)
     for _ in range(total):
-        t = [b[j] / rates[j] for j in range(world)]
-        i = max(range(world), key=lambda j: t[j])
-        j = min((k for k in range(world) if k != i), key=lambda k: (b[k] + 1) / rates[k], default=None)
-        if j is None or b[i] <= min_batch or (b[j] + 1) / rates[j] >= t[i]:
+        while slow[0][2] != b[slow[0][1]]:
+            heapq.heappop(slow)
+        i = slow[0][1]
+        t_i = b[i] / rates[i]
+        j, held = None, []
+        while take:
+            _, k, bk = take[0]
+            if bk != b[k]:
+                heapq.heappop(take)
+            elif k == i:
+                held.append(heapq.heappop(take))
+            else:
+                j = k
+                break
+        for e in held:
+            heapq.heappush(take, e)
+        if j is None or b[i] <= min_batch or (b[j] + 1) / rates[j] >= t_i:
             break
         b[i] -= 1
         b[j] += 1
+        for r in (i, j):
+            heapq.heappush(slow, (-(b[r] / rates[r]), r, b[r]))
+            heapq.heappush(take, ((b[r] + 1) / rates[r], r, b[r]))
     return b
 
 
@@ -156,12 +189,14 @@ def _classify(streak: int, ratio: float, rounds: int, mcfg: MonitorConfig) -> st
 
 def controller_step(ctl: dict, mcfg: MonitorConfig, ccfg: ControllerConfig, remaining_samples: int) -> dict:
     """Run the Controller once every rank has closed a new window. Returns the new control state (the input is not
-    modified); ``state["plan"]["version"]`` grows when the split or an action changed."""
+    modified; what this step does not change, the Monitor included, is shared with it rather than copied, since the
+    Monitor's windows and the history grow with the world size); ``state["plan"]["version"]`` grows when the split
+    or an action changed."""
     world = len(ctl["streak"])
     closed = [ctl["monitor"]["closed"].get(str(r), 0) for r in range(world)]
     if min(closed) <= ctl["rounds"]:
         return ctl
-    new = copy.deepcopy(ctl)
+    new = {**ctl, "streak": list(ctl["streak"]), "classes": list(ctl["classes"]), "history": list(ctl["history"])}
     new["rounds"] = min(closed)
     rates = [new["monitor"]["windows"][str(r)][-1] for r in range(world)]
     med = statistics.median(rates)

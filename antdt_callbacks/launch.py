@@ -22,8 +22,9 @@ class ServiceProcess:
 
     def __init__(self, db: str, job: JobConfig, monitor: MonitorConfig | None, controller: ControllerConfig | None,
                  host: str = "127.0.0.1", port: int = 0, token: str | None = None, startup_timeout_s: float = 60,
-                 log_path: str | None = None):
+                 log_path: str | None = None, commit_mode: str | None = None):
         self.db, self.job, self.host, self.port, self.token = db, job, host, port, token
+        self.commit_mode = commit_mode  # None: the service's default (`ServeConfig.commit_mode`)
         self.monitor, self.controller = monitor or MonitorConfig(), controller or ControllerConfig()
         self.startup_timeout_s = startup_timeout_s
         self.log_path = log_path or (db + ".log")
@@ -34,6 +35,8 @@ class ServiceProcess:
     def _argv(self, port_file: str) -> list[str]:
         argv = [sys.executable, "-m", "antdt_callbacks", "serve", "--db", self.db, "--host", self.host,
                 "--port", str(self.port), "--port-file", port_file]
+        if self.commit_mode is not None:
+            argv += ["--commit-mode", self.commit_mode]
         for cfg in (self.job, self.monitor, self.controller):
             for k, v in cfg.to_dict().items():
                 argv += ["--" + k.replace("_", "-"), str(v)]
@@ -68,7 +71,7 @@ class ServiceProcess:
         return self.proc.pid
 
     def kill(self) -> None:
-        """SIGKILL: no chance to flush anything; durability comes from the per-request commit."""
+        """SIGKILL: no chance to flush anything; durability comes from committing every decision before its reply."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(timeout=30)

@@ -1,6 +1,14 @@
 """SQLite persistence of the service state: WAL journal, ``synchronous=FULL``, one ``BEGIN IMMEDIATE ... COMMIT``
-per mutating request, committed before the reply is sent. A service killed at any instant restarts from the last
-committed request; a request whose reply was lost is retried by the client and is idempotent (see `_state`)."""
+per request or per group of requests (`SQLiteStore.commit_many`), committed before any of their replies is sent. A
+service killed at any instant restarts from the last committed transaction; a request whose reply was lost is
+retried by the client and is idempotent (see `_state`).
+
+The Monitor/Controller state is stored in parts (the small core in ``meta``, one ``monitor`` row per rank, one
+``history`` row per Controller round) and only the parts a transaction changed are written: written whole, it grows
+with the world size times the history length and would be serialised on every ack that carries metrics. Monitor rows
+come with the decisions (`Decision.monitor`); the core and the history are compared by identity with what the tables
+hold, because `decide` replaces them when it changes them and shares them otherwise.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +16,7 @@ import json
 import sqlite3
 from pathlib import Path
 
-from ._state import Decision, JobState, Shard, Worker, new_job_state
+from ._state import _REPLY_CACHE, Decision, JobState, Shard, Worker, new_job_state
 from .config import ControllerConfig, JobConfig, MonitorConfig
 
 __all__ = ["SQLiteStore"]
@@ -24,7 +32,11 @@ CREATE TABLE IF NOT EXISTS workers (rank INTEGER PRIMARY KEY, incarnation INTEGE
 CREATE TABLE IF NOT EXISTS snapshots (id INTEGER PRIMARY KEY, payload TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS replies (rank INTEGER NOT NULL, request_id TEXT NOT NULL, seq INTEGER NOT NULL,
     reply TEXT NOT NULL, PRIMARY KEY (rank, request_id));
+CREATE INDEX IF NOT EXISTS replies_seq ON replies (seq);
+CREATE TABLE IF NOT EXISTS monitor (rank TEXT PRIMARY KEY, entry TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS history (round INTEGER PRIMARY KEY, entry TEXT NOT NULL);
 """
+_SPLIT = ("monitor", "history")  # parts of the control state stored outside its ``meta`` row
 
 
 class SQLiteStore:
@@ -37,6 +49,8 @@ class SQLiteStore:
         self.conn.execute("PRAGMA synchronous=FULL")
         self.conn.executescript(_SCHEMA)
         self._reply_seq = 0
+        self._reply_keep = 256  # replies kept: as many as the in-memory cache holds (set from the job on load)
+        self._control: dict | None = None  # the control state the tables hold
 
     def close(self) -> None:
         self.conn.close()
@@ -49,6 +63,7 @@ class SQLiteStore:
         A stored job must match ``job``: serving a different dataset from the same file would corrupt both. Leases of
         a stored job get ``lease_grace_s`` more seconds, so workers that kept running while the service was down can
         renew and continue instead of being fenced."""
+        self._reply_keep = max(256, _REPLY_CACHE * job.world_size)
         row = self.conn.execute("SELECT value FROM meta WHERE key='job'").fetchone()
         if row is None:
             st = new_job_state(job, monitor_cfg, controller_cfg)
@@ -64,7 +79,7 @@ class SQLiteStore:
                       ControllerConfig.from_dict(json.loads(meta["controller_cfg"])))
         st.epoch = int(meta["epoch"])
         st.lease_seq = int(meta["lease_seq"])
-        st.control = json.loads(meta["control"])
+        st.control = self._read_control(json.loads(meta["control"]))
         for r in self.conn.execute('SELECT epoch, shard_id, start, "end", ord, state, owner, incarnation, token, '
                                    "deadline, acked FROM shards"):
             s = Shard(*r)
@@ -77,10 +92,54 @@ class SQLiteStore:
             st.snapshots[int(cid)] = json.loads(payload)
         for rank, req_id, seq, reply in self.conn.execute("SELECT rank, request_id, seq, reply FROM replies "
                                                           "ORDER BY seq"):
-            st.replies[(rank, req_id)] = json.loads(reply)
+            st.replies[(rank, req_id)] = reply
             self._reply_seq = max(self._reply_seq, seq)
-        self._write_shards(st.shards.values())
+        st.reindex()
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            self._upsert_shards(st.shards.values())
+            self._put_control(st.control)
+            self.conn.execute("COMMIT")
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+        self._control = st.control
         return st, False
+
+    def _read_control(self, core: dict) -> dict:
+        if all(k in core for k in _SPLIT):
+            return core  # written whole by an earlier version: the next write stores it in parts
+        mon: dict[str, dict] = {"last_step": {}, "pending": {}, "windows": {}, "closed": {}}
+        for rank, entry in self.conn.execute("SELECT rank, entry FROM monitor"):
+            for name, value in json.loads(entry).items():
+                mon.setdefault(name, {})[rank] = value
+        hist = [json.loads(e) for (e,) in self.conn.execute("SELECT entry FROM history ORDER BY round")]
+        return {**core, "monitor": mon, "history": hist}
+
+    def _put_control(self, control: dict, monitor: dict[str, dict] | None = None) -> None:
+        """Write, inside the caller's transaction, the Monitor rows ``monitor`` (``{rank: entries}``) and the parts
+        of ``control`` that differ from what the tables hold (``self._control``; every part when they hold none)."""
+        last = self._control or {}
+        c = self.conn
+        core = {k: v for k, v in control.items() if k not in _SPLIT}
+        if set(core) != {k for k in last if k not in _SPLIT} or any(v is not last.get(k) for k, v in core.items()):
+            c.execute("INSERT OR REPLACE INTO meta VALUES ('control', ?)", (json.dumps(core),))
+        if not last:
+            c.execute("DELETE FROM monitor")
+            ranks = {k for entries in control["monitor"].values() for k in entries}
+            monitor = {k: {name: m[k] for name, m in control["monitor"].items() if k in m} for k in ranks}
+        if monitor:
+            c.executemany("INSERT OR REPLACE INTO monitor VALUES (?, ?)",
+                          [(k, json.dumps(entries)) for k, entries in sorted(monitor.items())])
+        hist = control["history"]
+        if hist is not last.get("history"):
+            if not last:
+                c.execute("DELETE FROM history")
+            top = c.execute("SELECT MAX(round) FROM history").fetchone()[0]
+            c.executemany("INSERT OR REPLACE INTO history VALUES (?, ?)",
+                          [(h["round"], json.dumps(h)) for h in hist if top is None or h["round"] > top])
+            if hist:
+                c.execute("DELETE FROM history WHERE round < ?", (hist[0]["round"],))
 
     def _write_all(self, st: JobState) -> None:
         c = self.conn
@@ -88,8 +147,10 @@ class SQLiteStore:
         try:
             meta = {"job": st.job.to_json(), "monitor_cfg": st.monitor_cfg.to_json(),
                     "controller_cfg": st.controller_cfg.to_json(), "epoch": str(st.epoch),
-                    "lease_seq": str(st.lease_seq), "control": json.dumps(st.control)}
+                    "lease_seq": str(st.lease_seq)}
             c.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", meta.items())
+            self._control = None
+            self._put_control(st.control)
             c.execute("DELETE FROM shards")
             self._upsert_shards(st.shards.values())
             for cid, snap in st.snapshots.items():
@@ -98,11 +159,7 @@ class SQLiteStore:
         except BaseException:
             c.execute("ROLLBACK")
             raise
-
-    def _write_shards(self, shards) -> None:
-        self.conn.execute("BEGIN IMMEDIATE")
-        self._upsert_shards(shards)
-        self.conn.execute("COMMIT")
+        self._control = st.control
 
     def _upsert_shards(self, shards) -> None:
         self.conn.executemany(
@@ -114,29 +171,66 @@ class SQLiteStore:
     # ------------------------------------------------------------------------------------------- commit
     def commit(self, d: Decision) -> None:
         """Persist one decision atomically and durably (returns after the fsync of the WAL)."""
-        if not d.mutates:
+        self.commit_many([d])
+
+    def commit_many(self, decisions: list[Decision]) -> None:
+        """Persist decisions, in the order they were decided, as one atomic and durable transaction.
+
+        The tables end as if each decision had been committed alone, but each row is written once, with its last
+        value: a shard or a rank touched by several requests of the group costs one write."""
+        ds = [d for d in decisions if d.mutates]
+        if not ds:
             return
+        shards: dict[tuple[int, int], Shard] = {}
+        replace = False
+        workers: dict[int, Worker] = {}
+        meta: dict[str, object] = {}
+        control: dict | None = None
+        monitor: dict[str, dict] = {}
+        snapshots: dict[int, dict | None] = {}  # None: drop
+        replies: list[tuple] = []
+        seq = self._reply_seq
+        for d in ds:
+            if d.replace_shards:
+                shards.clear()
+                replace = True
+            shards.update((s.key, s) for s in d.shards)
+            workers.update((w.rank, w) for w in d.workers)
+            for k, v in d.meta.items():
+                if k == "control":
+                    control = v
+                else:
+                    meta[k] = v
+            monitor.update(d.monitor)
+            if d.snapshot_put is not None:
+                snapshots[d.snapshot_put[0]] = d.snapshot_put[1]
+            for k in d.snapshot_drop:
+                snapshots[k] = None
+            if d.reply_cache is not None:
+                seq += 1
+                replies.append((*d.reply_cache, seq, d.cache_text))
         c = self.conn
         c.execute("BEGIN IMMEDIATE")
         try:
-            if d.replace_shards:
+            if replace:
                 c.execute("DELETE FROM shards")
-            self._upsert_shards(d.shards)
+            self._upsert_shards(shards.values())
             c.executemany("INSERT OR REPLACE INTO workers VALUES (?,?,?,?)",
-                          [(w.rank, w.incarnation, w.pid, w.max_micro_batch) for w in d.workers])
-            for k, v in d.meta.items():
-                c.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (k, v if isinstance(v, str) else json.dumps(v)))
-            if d.snapshot_put is not None:
-                c.execute("INSERT OR REPLACE INTO snapshots VALUES (?, ?)",
-                          (d.snapshot_put[0], json.dumps(d.snapshot_put[1])))
-            c.executemany("DELETE FROM snapshots WHERE id=?", [(k,) for k in d.snapshot_drop])
-            if d.reply_cache is not None:
-                self._reply_seq += 1
-                c.execute("INSERT OR REPLACE INTO replies VALUES (?,?,?,?)",
-                          (*d.reply_cache, self._reply_seq,
-                           json.dumps(d.cached_reply if d.cached_reply is not None else d.reply)))
-                c.execute("DELETE FROM replies WHERE seq <= ?", (self._reply_seq - 256,))
+                          [(w.rank, w.incarnation, w.pid, w.max_micro_batch) for w in workers.values()])
+            c.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
+                          [(k, v if isinstance(v, str) else json.dumps(v)) for k, v in meta.items()])
+            if control is not None:
+                self._put_control(control, monitor)
+            c.executemany("INSERT OR REPLACE INTO snapshots VALUES (?, ?)",
+                          [(k, json.dumps(v)) for k, v in snapshots.items() if v is not None])
+            c.executemany("DELETE FROM snapshots WHERE id=?", [(k,) for k, v in snapshots.items() if v is None])
+            if replies:
+                c.executemany("INSERT OR REPLACE INTO replies VALUES (?,?,?,?)", replies)
+                c.execute("DELETE FROM replies WHERE seq <= ?", (seq - self._reply_keep,))
             c.execute("COMMIT")
         except BaseException:
             c.execute("ROLLBACK")
             raise
+        self._reply_seq = seq
+        if control is not None:
+            self._control = control
