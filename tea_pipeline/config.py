@@ -100,6 +100,11 @@ class LightTEAConfig:
         seed (`int`, *optional*, defaults to `12306`):
             Seed of every random draw (labels, projections, tie breaks); each round and purpose gets its own
             stream derived from it, so one more pseudo seed changes only its own label.
+        reuse_freed_memory (`bool`, *optional*, defaults to `True`):
+            While `LightTEA.fit` runs, keep freed memory in the process for the next allocation instead of
+            returning it to the OS after every use (glibc only; restored and trimmed when ``fit`` returns). A round
+            reallocates large temporaries many times, and each fresh page costs a page fault; see
+            `tea_pipeline.memory`. Peak RSS can grow a little.
         device (`str`, *optional*, defaults to `"auto"`):
             ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
         reference_compat (`bool`, *optional*, defaults to `False`):
@@ -139,6 +144,8 @@ class LightTEAConfig:
         default=None, metadata={"help": "Time id meaning 'unknown' (None: detect from time_id labels)."}
     )
     seed: int = field(default=12306, metadata={"help": "Seed of every random draw."})
+    reuse_freed_memory: bool = field(
+        default=True, metadata={"help": "Keep freed memory for reuse while fit runs (fewer page faults)."})
     device: str = field(default="auto", metadata={"help": "'auto', 'cpu', 'cuda' or 'cuda:N'."})
     reference_compat: bool = field(default=False, metadata={"help": "Reproduce the reference code's quirks."})
 

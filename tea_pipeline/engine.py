@@ -24,6 +24,7 @@ import torch
 from .config import LightTEAConfig
 from .data import TKGPair
 from .graph import build_graph, time_counts
+from .memory import reuse_freed_memory
 from .precision import matmul_dtype
 from .propagation import csr, l2n_, propagate, seed_labels, triple_layout, triple_view
 from .similarity import TemporalSimilarity, TopK, blocked_topk, candidate_recall, lowrank_topk
@@ -152,6 +153,10 @@ class LightTEA:
     # --------------------------------------------------------------------------------------------------------
     def fit(self, pair: TKGPair, progress: bool = False) -> AlignmentResult:
         """Align the test pairs of ``pair``; returns per-round metrics, pseudo seeds, predictions and timings."""
+        with reuse_freed_memory(self.config.reuse_freed_memory):
+            return self._fit(pair, progress)
+
+    def _fit(self, pair: TKGPair, progress: bool) -> AlignmentResult:
         cfg = self.config
         self.timings = defaultdict(float)
         device = self.resolve_device()

@@ -17,6 +17,7 @@ import json
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -52,7 +53,9 @@ def _cases(gen: torch.Generator) -> dict:
     cand = torch.randint(0, n, (n, 500), generator=gen)
     weights = torch.exp(torch.rand(n, 500, generator=gen) / 0.02)
     times, entities = 400, 2 * n
-    counts = ((torch.rand(entities, times, generator=gen) < 6 / times).float()).to_sparse_csr()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*[Ss]parse CSR tensor support is in beta.*")
+        counts = ((torch.rand(entities, times, generator=gen) < 6 / times).float()).to_sparse_csr()
     crow_t, col_t, val_t = counts.crow_indices(), counts.col_indices(), counts.values()
     totals = counts.to_dense().sum(1)
     right_dense = counts.to_dense()[n:].contiguous()

@@ -308,3 +308,18 @@ def test_reference_compat_runs_and_variants_align(small_pair) -> None:
 def test_config_errors_name_the_field(bad, field) -> None:
     with pytest.raises(ValueError, match=field):
         LightTEAConfig(**bad)
+
+
+def test_reuse_freed_memory_is_scoped_and_changes_no_result(small_pair) -> None:
+    """The allocation policy is active only inside fit (glibc) and leaves every result as it was."""
+    import platform  # noqa: PLC0415
+
+    from tea_pipeline.memory import reuse_freed_memory  # noqa: PLC0415
+
+    with reuse_freed_memory() as active:
+        assert active == (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc")
+    with reuse_freed_memory(enabled=False) as active:
+        assert active is False
+    runs = [LightTEA(LightTEAConfig(**FAST, reuse_freed_memory=flag)).fit(small_pair) for flag in (True, False)]
+    assert np.array_equal(runs[0].predicted, runs[1].predicted)
+    assert np.array_equal(runs[0].scores, runs[1].scores)
