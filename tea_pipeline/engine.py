@@ -242,9 +242,10 @@ class LightTEA:
             check = None
             if cfg.candidate_check_rows and subspace:
                 with self._stage("candidate_check", device):
-                    pick = torch.randperm(n_test, generator=torch.Generator().manual_seed(cfg.seed + rnd))
-                    pick = pick[: cfg.candidate_check_rows].to(device)
-                    check = candidate_recall(left, right, full, pick)
+                    pick = torch.randperm(n_test, generator=torch.Generator().manual_seed(cfg.seed + rnd)).to(device)
+                    if active is not None:  # rows without facts have placeholder candidates, nothing to check
+                        pick = pick[active[pick]]
+                    check = candidate_recall(left, right, full, pick[: cfg.candidate_check_rows], has_facts)
             del left, right
             with self._stage("temporal_similarity", device):
                 sims = self._with_time(full.values, simt(test_left, full.index))

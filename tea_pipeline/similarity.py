@@ -189,15 +189,20 @@ def lowrank_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: in
     return full, masked
 
 
-def candidate_recall(left: torch.Tensor, right: torch.Tensor, found: TopK, rows: torch.Tensor) -> dict[str, float]:
+def candidate_recall(left: torch.Tensor, right: torch.Tensor, found: TopK, rows: torch.Tensor,
+                     allowed_cols: torch.Tensor | None = None) -> dict[str, float]:
     """How well ``found`` (candidates of all rows) matches the exact top-k on the sampled ``rows``.
 
+    With ``allowed_cols`` (bool) the exact top-k is taken over those columns only, as the search was.
     ``recall`` is the share of the exact top-k (index set) that ``found`` holds, ``top1`` the share of rows whose
     best-scored candidate is the exact best, ``same_set`` the share of rows whose candidate set is exactly the
     exact top-k.
     """
     k = found.index.shape[1]
-    exact = torch.topk(left[rows] @ right.T, k, dim=1)
+    sims = left[rows] @ right.T
+    if allowed_cols is not None:
+        sims[:, ~allowed_cols] = float("-inf")
+    exact = torch.topk(sims, k, dim=1)
     hit = (exact.indices[:, :, None] == found.index[rows][:, None, :]).any(dim=2)
     return {"recall": hit.float().mean().item(), "top1": (found.index[rows, 0] == exact.indices[:, 0]).float().mean()
             .item(), "same_set": hit.all(dim=1).float().mean().item(), "rows": len(rows)}
