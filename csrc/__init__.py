@@ -2,8 +2,8 @@
 
 Why a loader rather than a compiled wheel: the package installs from source on machines whose CPUs differ (AVX2 only,
 AVX-512, AMX), and the kernels are small. `load` compiles a kernel file with ``torch.utils.cpp_extension`` for the CPU
-it runs on (``-march=native``) into a cache keyed by the torch version, the Python version and the CPU's flags, so a
-home directory shared by different machines never loads a binary built for another ISA. When the build cannot run
+it runs on (``-march=native``) into a cache keyed by the torch version and install, the Python version, the CPU's
+flags and the source, so a home directory shared by different machines never loads a binary built for another ISA. When the build cannot run
 (no compiler, no ninja, a failed compile) or ``HF_SCALE_NATIVE=0`` is set, `load` returns ``None`` and says why in
 `status`; every caller keeps a pure-PyTorch path and chooses it then. ``HF_SCALE_NATIVE=1`` makes a failed build an
 error instead, for checking that the kernels are really used.
@@ -71,8 +71,11 @@ def cache_dir(name: str) -> Path:
 
     root = Path(os.environ.get("HF_SCALE_NATIVE_CACHE", Path.home() / ".cache" / "hf_scale_plugins" / "csrc"))
     source = (SOURCE_DIR / KERNEL_FILES[name]).read_bytes()
+    # The environment's path is part of the key: torch's build check includes the include and library paths, so
+    # two virtual environments sharing one folder would rebuild it for each other in turn.
+    env = hashlib.sha256(str(Path(torch.__file__).resolve().parent).encode()).hexdigest()[:8]
     tag = f"torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}-cpu{_cpu_key()}" \
-          f"-src{hashlib.sha256(source).hexdigest()[:10]}"
+          f"-env{env}-src{hashlib.sha256(source).hexdigest()[:10]}"
     return root / name / tag
 
 
