@@ -3,10 +3,10 @@
 Why a loader rather than a compiled wheel: the package installs from source on machines whose CPUs differ (AVX2 only,
 AVX-512, AMX), and the kernels are small. `load` compiles a kernel file with ``torch.utils.cpp_extension`` for the CPU
 it runs on (``-march=native``) into a cache keyed by the torch version and install, the Python version, the CPU's
-flags and the source, so a home directory shared by different machines never loads a binary built for another ISA. When the build cannot run
-(no compiler, no ninja, a failed compile) or ``HF_SCALE_NATIVE=0`` is set, `load` returns ``None`` and says why in
-`status`; every caller keeps a pure-PyTorch path and chooses it then. ``HF_SCALE_NATIVE=1`` makes a failed build an
-error instead, for checking that the kernels are really used.
+flags and the source, so a home directory shared by different machines never loads a binary built for another ISA.
+When the build cannot run (no compiler, no ninja, a failed compile) or ``HF_SCALE_NATIVE=0`` is set, `load`
+returns ``None`` and says why in `status`; every caller keeps a pure-PyTorch path and chooses it then.
+``HF_SCALE_NATIVE=1`` makes a failed build an error instead, for checking that the kernels are really used.
 
 Environment:
     HF_SCALE_NATIVE        ``0``: never build or load (PyTorch fallbacks); ``1``: a failed build raises;
