@@ -9,6 +9,8 @@ the Gumbel-max trick (``argmax(logits/T - log E)``, ``E ~ Exp(1)``), which draws
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 __all__ = ["policy_response_logits", "sample_responses", "score_head_outputs", "sequence_scores"]
@@ -32,6 +34,7 @@ def sample_responses(
     temperature: float,
     sample_seeds: list[int],
     stop_token_id: int | None = None,
+    all_finished: Callable[[bool], bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample up to ``response_length`` tokens for left-padded ``queries`` with a KV cache.
 
@@ -40,6 +43,10 @@ def sample_responses(
     sequence has emitted its stop token, like ``generate``; finished sequences are padded with ``pad_token_id``).
     Only the chosen tokens' log-probs are kept, not the ``(B, R, V)`` logits TRL keeps: with a 50k vocabulary that
     tensor is the largest object of the rollout.
+
+    ``all_finished(local_done) -> bool`` (optional) makes the early stop collective, as ``generate(synced_gpus=True)``
+    does: a model whose forward gathers weights per layer (ZeRO-3 without ``ds3_gather_for_generation``) must run
+    the same number of steps on every rank. The extra steps emit padding only.
     """
     if len(sample_seeds) != queries.size(0):
         raise ValueError(f"sample_seeds has {len(sample_seeds)} entries for {queries.size(0)} queries.")
@@ -66,7 +73,10 @@ def sample_responses(
             step_logits.gather(-1, token.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(step_logits, dim=-1))
         if stop_token_id is not None:
             finished = finished | (token == stop_token_id)
-            if bool(finished.all()):
+            done = bool(finished.all())
+            if all_finished is not None:
+                done = all_finished(done)
+            if done:
                 break
         if step == response_length - 1:
             break

@@ -16,6 +16,20 @@ from transformers import TrainingArguments
 __all__ = ["PPOConfig"]
 
 
+def _bf16_device_available() -> bool:
+    from transformers.utils import is_torch_bf16_gpu_available
+
+    return bool(is_torch_bf16_gpu_available())
+
+
+def _cpu_only_multiprocess() -> bool:
+    import os
+
+    import torch
+
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
+
+
 @dataclass
 class PPOConfig(TrainingArguments):
     r"""Configuration of :class:`trl_trainers.PPOTrainer`.
@@ -25,7 +39,7 @@ class PPOConfig(TrainingArguments):
     > Parameters whose defaults differ from ``TrainingArguments`` (as in TRL)
 
     learning_rate (3e-6), logging_steps (10), gradient_checkpointing / activation_checkpointing (True),
-    bf16 (True unless ``fp16`` is set).
+    bf16 (True unless ``fp16`` is set or the host has no bf16 GPU and ``use_cpu`` is not set).
 
     > Parameters that control the rollout
 
@@ -51,7 +65,8 @@ class PPOConfig(TrainingArguments):
     )
     bf16: bool | None = field(
         default=None,
-        metadata={"help": "Use bf16 autocast. If not set, defaults to True unless `fp16` is set (as in TRL)."},
+        metadata={"help": "Use bf16 autocast. If not set: True unless `fp16` is set (as in TRL), False on a host "
+                  "without a bf16 GPU unless `use_cpu` is set (TrainingArguments refuses bf16 there)."},
     )
 
     dataset_num_proc: int | None = field(
@@ -186,8 +201,14 @@ class PPOConfig(TrainingArguments):
     )
 
     def __post_init__(self):
-        # As in TRL: bf16 by default unless fp16 was asked for.
-        self.bf16 = not self.fp16 if self.bf16 is None else self.bf16
+        # As in TRL: bf16 by default unless fp16 was asked for; on a host without a bf16 GPU the default is fp32
+        # (TrainingArguments refuses bf16 there unless use_cpu=True, so TRL's default failed on every CPU host).
+        if self.bf16 is None:
+            self.bf16 = not self.fp16 and (self.use_cpu or _bf16_device_available())
+        if self.ddp_backend is None and _cpu_only_multiprocess():
+            # Without it, Accelerate picks a backend for CPU DeepSpeed launches that is not there (TRL needed the
+            # flag on CPU hosts); gloo is what the trainer's own process group uses.
+            self.ddp_backend = "gloo"
         if self.gradient_checkpointing is not None:  # TRL scripts pass the old name: it wins over our default
             self.activation_checkpointing = self.gradient_checkpointing
             self.gradient_checkpointing = None

@@ -49,6 +49,13 @@ class PolicyAndValueWrapper(nn.Module):
         self.policy = policy
         self.value_model = value_model
 
+    def forward(self, query_responses: torch.Tensor, pad_token_id: int, context_length: int,
+                temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The training forward: temperature-scaled policy logits of the response tokens ``(B, R, V)`` and the value
+        head's per-position outputs ``(B, L)``. One call, so engines whose hooks start at the root see it."""
+        logits = policy_response_logits(self.policy, query_responses, pad_token_id, context_length, temperature)
+        return logits, score_head_outputs(self.value_model, query_responses, pad_token_id)
+
 
 @dataclass
 class Rollout:
@@ -125,14 +132,18 @@ class PPOPhases:
         pin_weights (`Callable[[str], ContextManager]`, *optional*): ``pin_weights(role)`` holds the full weights of
             a sharded role (``"actor"``, ``"critic"``, ``"ref"``, ``"reward"``) for a whole phase: one gather per
             rollout or scoring pass instead of one per forward call. Default: nothing is sharded.
+        all_finished (`Callable[[bool], bool]`, *optional*): makes generation's early stop collective (see
+            `sample_responses`); needed when the policy gathers its weights per forward call.
     """
 
     def __init__(self, args: PPOConfig, layout: BatchLayout, models: PPOModels, dist: DistContext,
                  backend: TrainingBackend | None, pad_token_id: int, eos_token_id: int | None,
                  stop_token_id: int | None, device: torch.device, train_dataset: Any, data_collator: Any = None,
-                 pin_weights: Callable[[str], AbstractContextManager[Any]] | None = None):
+                 pin_weights: Callable[[str], AbstractContextManager[Any]] | None = None,
+                 all_finished: Callable[[bool], bool] | None = None):
         self.args, self.layout, self.models, self.dist, self.backend = args, layout, models, dist, backend
         self.pin_weights = pin_weights or (lambda role: nullcontext())
+        self.all_finished = all_finished
         self.pad_token_id, self.eos_token_id, self.stop_token_id = pad_token_id, eos_token_id, stop_token_id
         self.device, self.train_dataset, self.data_collator = device, train_dataset, data_collator
 
@@ -212,6 +223,7 @@ class PPOPhases:
                     policy, queries[i : i + chunk], pad_token_id=self.pad_token_id,
                     response_length=args.response_length, temperature=temperature,
                     sample_seeds=sample_seeds[i : i + chunk], stop_token_id=self.stop_token_id,
+                    all_finished=self.all_finished,
                 )
                 outs.append(qr)
                 logprobs.append(lp)
@@ -392,10 +404,9 @@ class PPOPhases:
                     token_mask, value_mask = exp.token_mask[idx], exp.value_mask[idx]
                     with backend.micro_step(last=k == accum - 1):
                         with self.autocast():
-                            logits = policy_response_logits(model.policy, exp.query_responses[idx], self.pad_token_id,
-                                                            ctx, args.temperature)
-                            vpred = score_head_outputs(model.value_model, exp.query_responses[idx],
-                                                       self.pad_token_id)[:, ctx - 1 : -1].float()
+                            logits, vfull = backend.train_forward(model, exp.query_responses[idx], self.pad_token_id,
+                                                                  ctx, args.temperature)
+                            vpred = vfull[:, ctx - 1 : -1].float()
                         new_logprobs = pm.logprobs_from_logits(logits, exp.responses[idx])
                         new_logprobs = new_logprobs.masked_fill(~token_mask, pm.INVALID_LOGPROB)
                         vpred = vpred.masked_fill(~value_mask, 0.0)
@@ -405,7 +416,7 @@ class PPOPhases:
                             new_logprobs, exp.logprobs[idx], exp.advantages[idx], token_mask, args.cliprange,
                             tok_norm)
                         loss = pg_loss + args.vf_coef * vf_loss
-                        (loss if tok_norm is not None else loss / accum).backward()
+                        backend.backward(loss if tok_norm is not None else loss / accum)
                     with torch.no_grad():
                         at = (epoch, mb, k)
                         stats["approxkl"][at] = pm.approx_kl(new_logprobs, exp.logprobs[idx])
@@ -419,7 +430,7 @@ class PPOPhases:
                         stats["vf_clipfrac"][at] = vf_clipfrac
                         stats["entropy"][at] = pm.entropy_from_logits(logits.detach()).mean()
                         stats["ratio"][at] = ratio.detach().mean()
-                    del logits, vpred, loss
+                    del logits, vfull, vpred, loss
                 backend.step()
         return stats
 

@@ -38,6 +38,7 @@ from transformers.utils import logging
 from . import ppo_math as pm
 from ._distributed import DistContext, init_distributed_from_env
 from .batch_layout import BatchLayout, compute_batch_layout
+from .launch_engine import LaunchEngine, launch_engine_from_env
 from .placement import PlacementContext, PlacementSetup, RoleSharding, make_executor, prepare_placement
 from .ppo_config import PPOConfig
 from .ppo_phases import Experience, PolicyAndValueWrapper, PPOModels, PPOPhases, Rollout
@@ -127,7 +128,9 @@ class PPOTrainer:
         self.train_dataset, self.eval_dataset, self.data_collator = train_dataset, eval_dataset, data_collator
         # 2. where things run: the plan, its process groups, this rank's side (collective)
         init_distributed_from_env(timeout_s=float(args.ddp_timeout))
-        self.placement: PlacementSetup = prepare_placement(args, placement, group, strict_equivalence)
+        self.launch: LaunchEngine = launch_engine_from_env()
+        self.placement: PlacementSetup = prepare_placement(args, placement, group, strict_equivalence,
+                                                           launch=self.launch)
         self.plan = self.placement.plan
         self.dist = DistContext(self.placement.training_group)
         # 3. batch sizes (pure), and the trainer's copy of the config with TRL's runtime fields filled
@@ -148,14 +151,18 @@ class PPOTrainer:
             raise ValueError("sharded roles with a PEFT (LoRA) policy are not supported: the adapter-disabled policy "
                              "serves as reference. Use an unsharded plan with LoRA.")
         self.backend: TrainingBackend = self._build_backend(models.model, optimizers[0])
-        self.sharding.shard_frozen("ref", models.ref_model)
-        self.sharding.shard_frozen("reward", models.reward_model)
+        if self.launch.is_accelerate_engine:  # DeepSpeed / FSDP2: frozen models prepared for inference as TRL did
+            models.ref_model = self.ref_model = self.backend.prepare_frozen(models.ref_model)
+            models.reward_model = self.reward_model = self.backend.prepare_frozen(models.reward_model)
+        else:
+            self.sharding.shard_frozen("ref", models.ref_model)
+            self.sharding.shard_frozen("reward", models.reward_model)
         self.optimizer = self.backend.optimizer
         self.lr_scheduler = optimizers[1] if optimizers[1] is not None else self._build_scheduler()
         # 6. the phase pipeline over those models, and the executor that schedules it on the plan
         self.phases = PPOPhases(self.args, self.layout, models, self.dist, self.backend, self.pad_token_id,
                                 processing_class.eos_token_id, self.stop_token_id, self.device, train_dataset,
-                                data_collator, pin_weights=self.sharding.gathered)
+                                data_collator, pin_weights=self._pin_weights, all_finished=self._stop_sync())
         self.executor = make_executor(self.phases, PlacementContext(
             plan=self.plan, rank=self.placement.rank, role_groups=self.placement.role_groups, sharding=self.sharding,
             timeout_s=args.placement_timeout_s, weight_sync=args.weight_sync, max_staleness=args.max_staleness,
@@ -235,6 +242,11 @@ class PPOTrainer:
         except ImportError:
             is_peft = False
         if ref_model is None and not is_peft:
+            if self.launch.kind == "deepspeed" and self.launch.zero_stage == 3:
+                raise ValueError("ref_model=None under DeepSpeed ZeRO-3: the policy's parameters are partitioned, so "
+                                 "the trainer cannot copy it into a reference. Build the reference like the policy "
+                                 "(e.g. AutoModelForCausalLM.from_pretrained(sft_model_path)) and pass it as "
+                                 "ref_model, or use a PEFT policy (the adapter-disabled policy is the reference).")
             ref_model = copy.deepcopy(model)
         for frozen in (ref_model, reward_model):
             if frozen is not None:
@@ -257,8 +269,25 @@ class PPOTrainer:
 
     def _build_backend(self, model: PolicyAndValueWrapper, optimizer: torch.optim.Optimizer | None
                        ) -> TrainingBackend:
-        """The PaRO engine when the plan shards actor/critic (on their ranks), else full replicas with one flat
-        gradient all-reduce per step (TRL's data parallelism)."""
+        """The engine the launch names (DeepSpeed, FSDP2), else the PaRO engine when the plan shards actor/critic
+        (on their ranks; a PaRO launch config shards them), else full replicas with one flat gradient all-reduce per
+        step (TRL's data parallelism)."""
+        if self.launch.kind == "deepspeed":
+            from .accelerate_backends import DeepSpeedBackend
+
+            if optimizer is None:
+                optimizer = adamw_factory(self.args)([p for p in model.parameters() if p.requires_grad])
+            logger.info("PPOTrainer trains on DeepSpeed (%s)", self.launch.source)
+            return DeepSpeedBackend(model, optimizer, self.args, self.layout)
+        if self.launch.kind == "fsdp2":
+            from .accelerate_backends import FSDP2Backend
+
+            if optimizer is not None:
+                raise ValueError("a custom optimizer cannot be combined with FSDP2: it would hold the unsharded "
+                                 "parameters that fully_shard replaces. Let PPOTrainer build AdamW from PPOConfig.")
+            logger.info("PPOTrainer trains on FSDP2 (%s)", self.launch.source)
+            return FSDP2Backend(model, adamw_factory(self.args), self.args, self.layout,
+                                broadcast_module=self.dist.broadcast_module)
         sharded = self.sharding.shard_trained(model, self.args, user_optimizer=optimizer is not None)
         if sharded is not None:
             return sharded
@@ -269,6 +298,26 @@ class PPOTrainer:
             # the trainer's LR); tell torch that is intended instead of warning about the call order.
             optimizer._opt_called = True
         return ReplicatedBackend(model, optimizer, self.dist)
+
+    def _pin_weights(self, role: str):
+        """Full weights of ``role`` for one phase: the launched engine's gathering, or the plan's sharded roles."""
+        if self.launch.is_accelerate_engine:
+            return self.backend.pin(role)
+        return self.sharding.gathered(role)
+
+    def _stop_sync(self):
+        """A collective early stop for generation when the policy gathers its weights per forward call (ZeRO-3
+        with ``ds3_gather_for_generation=False``): every rank must run the same decode steps."""
+        if not (self.launch.kind == "deepspeed" and self.launch.zero_stage == 3
+                and not self.args.ds3_gather_for_generation and self.dist.world_size > 1):
+            return None
+        dist = self.dist
+
+        def all_finished(done: bool) -> bool:
+            flag = torch.tensor([1.0 if done else 0.0], device=self.device)
+            return bool(dist.all_reduce_sum(flag).item() == dist.world_size)
+
+        return all_finished
 
     def _trains_here(self) -> bool:
         """Whether this rank trains under the plan (every rank unless it is a disaggregated inference rank)."""
@@ -361,9 +410,23 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ placement views
     def full_weights(self):
-        """Context in which every model this rank holds has its full weights (a no-op unless the plan shards
-        models; collective then: call it on every rank)."""
+        """Context in which every model this rank holds has its full weights (a no-op unless the plan or the
+        launched engine shards models; collective then: call it on every rank)."""
+        if self.launch.is_accelerate_engine:
+            return self.backend.gathered()
         return self.executor.full_weights()
+
+    def model_state_bytes(self) -> int | None:
+        """Bytes of parameters and optimizer state this rank holds for policy + value model, measured on the
+        engine's tensors (None on a rank that does not train)."""
+        if not self.is_training_rank:
+            return None
+        measured = self.backend.model_state_bytes()
+        if measured is not None:
+            return measured
+        from .accelerate_backends import model_state_bytes
+
+        return model_state_bytes(self.model, self.optimizer)
 
     @property
     def timeline(self):
@@ -493,11 +556,18 @@ class PPOTrainer:
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Save the policy only (adapter only with PEFT) plus the tokenizer, as safetensors, on rank 0."""
         output_dir = output_dir or self.args.output_dir
-        with self.full_weights():
+        if self.launch.is_accelerate_engine:  # the engine consolidates the policy's weights (collective)
+            state = self.backend.full_state_dict(self.model.policy)
             if self.dist.rank != 0:
                 return
             os.makedirs(output_dir, exist_ok=True)
-            self.model.policy.save_pretrained(output_dir, safe_serialization=True)
+            self.model.policy.save_pretrained(output_dir, state_dict=state, safe_serialization=True)
+        else:
+            with self.full_weights():
+                if self.dist.rank != 0:
+                    return
+                os.makedirs(output_dir, exist_ok=True)
+                self.model.policy.save_pretrained(output_dir, safe_serialization=True)
         if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
             self.processing_class.save_pretrained(output_dir)
         torch.save(self.args.to_dict(), os.path.join(output_dir, "training_args.bin"))
@@ -522,6 +592,10 @@ class PPOTrainer:
         state is needed for an exact resume."""
 
         path = os.path.join(self.args.output_dir, f"{CHECKPOINT_PREFIX}-{self.state.global_step}")
+        if self.launch.is_accelerate_engine:
+            self._write_engine_checkpoint(path)
+            self.dist.barrier()
+            return path
         if not self.is_training_rank:  # disaggregated shadows are refreshed from the trainer; nothing of their own
             return path
         with self.full_weights():
@@ -530,11 +604,14 @@ class PPOTrainer:
         return path
 
     def _write_checkpoint(self, path: str) -> None:
-        from safetensors.torch import save_model as save_safetensors
+        from safetensors.torch import save_file
 
         if self.dist.rank == 0:
             self.save_model(path)
-            save_safetensors(self.model, os.path.join(path, _TRAINING_STATE))
+            # Own copies: under sharded roles the gathered weights are views of flat buffers, and tied weights
+            # (embeddings / LM head) share one, which safetensors refuses to save as views.
+            state = {k: v.detach().contiguous().clone() for k, v in self.model.state_dict().items()}
+            save_file(state, os.path.join(path, _TRAINING_STATE))
             if hasattr(self.model.value_model, "save_pretrained"):
                 self.model.value_model.save_pretrained(os.path.join(path, "value_model"), safe_serialization=True)
             torch.save(self.optimizer.state_dict(), os.path.join(path, "optimizer.pt"))
@@ -544,6 +621,21 @@ class PPOTrainer:
                     self.state.stateful_callbacks[cb.__class__.__name__] = cb.state()
             self.state.save_to_json(os.path.join(path, "trainer_state.json"))
             self._rotate_checkpoints()
+
+    def _write_engine_checkpoint(self, path: str) -> None:
+        """Under DeepSpeed / FSDP2: the consolidated policy and value model (collective), scheduler and trainer
+        state. The engine's sharded optimizer state is not written, so these checkpoints are for inference and
+        evaluation; resuming is refused with that reason."""
+        self.save_model(path)
+        value_state = self.backend.full_state_dict(self.model.value_model)
+        if self.dist.rank != 0:
+            return
+        if hasattr(self.model.value_model, "save_pretrained"):
+            self.model.value_model.save_pretrained(os.path.join(path, "value_model"), state_dict=value_state,
+                                                   safe_serialization=True)
+        torch.save(self.lr_scheduler.state_dict(), os.path.join(path, "scheduler.pt"))
+        self.state.save_to_json(os.path.join(path, "trainer_state.json"))
+        self._rotate_checkpoints()
 
     def _checkpoints(self) -> list[str]:
         out = self.args.output_dir
@@ -568,16 +660,37 @@ class PPOTrainer:
         for old in self._checkpoints()[:-limit]:
             shutil.rmtree(old, ignore_errors=True)
 
-    def _load_checkpoint(self, path: str) -> None:
-        from safetensors.torch import load_model as load_safetensors
+    def _load_training_state(self, state_file: str) -> None:
+        """Policy + value weights from a checkpoint; a tied weight (embeddings / LM head) may be stored under one
+        of its names only. Anything else missing or unexpected means the file is not this model's."""
+        from safetensors.torch import load_file
 
+        try:
+            state = load_file(state_file, device=str(self.device))
+        except Exception as exc:  # safetensors raises its own error types for truncated / corrupt files
+            raise ValueError(f"cannot read {state_file!r} ({exc}); the checkpoint is incomplete or corrupt. Resume "
+                             "from an earlier checkpoint.") from exc
+        current = self.model.state_dict()
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        loaded = {current[k].data_ptr() for k in state if k in current}
+        missing = [k for k in missing if current[k].data_ptr() not in loaded]
+        if missing or unexpected:
+            raise ValueError(f"{state_file!r} does not hold this trainer's policy and value model (missing "
+                             f"{missing[:5]}, unexpected {list(unexpected)[:5]}). Resume with the models the "
+                             "checkpoint was trained with.")
+
+    def _load_checkpoint(self, path: str) -> None:
+        if self.launch.is_accelerate_engine:
+            raise ValueError(f"resuming under {self.launch.source} is not supported: its checkpoints hold the "
+                             "consolidated policy and value model but not the engine's sharded optimizer state. "
+                             "Start a new run from the saved policy (from_pretrained) instead.")
         if self.plan.sharded_roles:
             raise ValueError(f"resuming under a plan with sharded roles {self.plan.sharded_roles} is not supported "
                              "(the checkpoint holds rank 0's optimizer slice only); resume with an unsharded plan.")
         state_file = os.path.join(path, _TRAINING_STATE)
         if not os.path.isfile(state_file):
             raise ValueError(f"{path!r} is not a PPOTrainer checkpoint (no {_TRAINING_STATE}).")
-        load_safetensors(self.model, state_file, device=str(self.device))
+        self._load_training_state(state_file)
         self.optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), map_location=self.device))
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt")))
         with open(os.path.join(path, "trainer_state.json")) as f:

@@ -7,7 +7,8 @@ then `TrainingBackend.step`. The engine decides how gradients are synchronised a
 - `ReplicatedBackend`: every training rank holds the full policy and value model (DDP's layout); gradients are
   averaged with one flat all-reduce per optimizer step, in a fixed order;
 - `trl_trainers.placement.ParoBackend`: the models are sharded by `paro_zero_backend.ParoEngine` (any of the PaRO
-  strategies; ``"GGG"`` is ZeRO-3), which reduces gradients during backward and steps its optimizer on the shards.
+  strategies; ``"GGG"`` is ZeRO-3), which reduces gradients during backward and steps its optimizer on the shards;
+- `trl_trainers.accelerate_backends`: DeepSpeed ZeRO or FSDP2, prepared by Accelerate from the launch's config.
 """
 
 from __future__ import annotations
@@ -61,6 +62,27 @@ class TrainingBackend(ABC):
     def gathered(self) -> AbstractContextManager[Any]:
         """Full weights of the trained models inside the block."""
         return nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's (already scaled) loss."""
+        loss.backward()
+
+    def train_forward(self, model: nn.Module, query_responses: torch.Tensor, pad_token_id: int,
+                      context_length: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Policy logits of the response tokens and per-position values (`PolicyAndValueWrapper.forward`).
+
+        Called without the wrapper's own module hooks here; an engine whose hooks start at the root (DeepSpeed,
+        FSDP2) calls its prepared root instead."""
+        return model.forward(query_responses, pad_token_id, context_length, temperature)
+
+    def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """Full state dict of ``module`` (one of the trained models), for saving; call inside `gathered` when the
+        engine shards (collective there)."""
+        return module.state_dict()
+
+    def model_state_bytes(self) -> int | None:
+        """Bytes of parameters and optimizer state this rank holds for the trained models (None: not measured)."""
+        return None
 
 
 class ReplicatedBackend(TrainingBackend):

@@ -14,11 +14,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hf_placement import PlacementPlan
+from paro_zero_backend import parse_strategy
 
+from ..launch_engine import LaunchEngine
 from ..ppo_config import PPOConfig
-from .sharding import sharding_error
+from .sharding import TRAINED, sharding_error
 
-__all__ = ["equivalence_issues", "plan_from_config", "resolve_plan"]
+__all__ = ["apply_launch_engine", "equivalence_issues", "plan_from_config", "resolve_plan"]
 
 PLACEMENT_NAMES = ("colocated", "interleaved", "disaggregated")
 
@@ -136,6 +138,47 @@ def resolve_plan(placement: str | PlacementPlan | Mapping[str, Any] | None, worl
         raise ValueError(f"max_staleness={args.max_staleness} needs placement='disaggregated' (generation on other "
                          f"ranks than training); got a {plan.strategy} plan. Use max_staleness=0.")
     return plan
+
+
+def apply_launch_engine(plan: PlacementPlan, launch: LaunchEngine) -> PlacementPlan:
+    """The plan as the launched engine trains it (errors name the key to change).
+
+    - PaRO config: policy and value model are sharded with its strategy on their ranks, and so are the frozen
+      reference and reward model when the strategy partitions parameters (a plan that already shards a role with
+      another strategy conflicts with the launch);
+    - DeepSpeed / FSDP2: they shard over the whole world, so only the co-located plan (without sharded roles of its
+      own) runs under them;
+    - a plain or DDP launch: the plan as it is.
+    """
+    if launch.kind == "replicated":
+        return plan
+    if launch.is_accelerate_engine:
+        engine = "DeepSpeed" if launch.kind == "deepspeed" else "FSDP2"
+        if plan.strategy != "colocated" or plan.sharded_roles:
+            what = f"placement '{plan.strategy}'" + (f" with sharded_roles {dict(plan.sharded_roles)}"
+                                                     if plan.sharded_roles else "")
+            raise ValueError(f"{what} conflicts with the launched engine: the accelerate config runs {engine} "
+                             f"({launch.source}), which shards the models over every rank of the job. Drop "
+                             "`placement` (co-located, as TRL), or launch a PaRO config with a plain multi-process "
+                             "accelerate config to combine a placement with sharded roles "
+                             "(PARO_CONFIG_FILE=paro.yaml accelerate launch --config_file multi_gpu.yaml ...).")
+        return plan
+    strategy = str(launch.paro_strategy)
+    wanted = dict.fromkeys(TRAINED, strategy)
+    if parse_strategy(strategy).partitions_params:
+        wanted.update({role: strategy for role in ("ref", "reward") if role in plan.roles})
+    clash = {r: s for r, s in plan.sharded_roles.items() if wanted.get(r, s) != s}
+    if clash:
+        raise ValueError(f"the plan shards {clash} while the launched PaRO config trains with strategy {strategy} "
+                         f"({launch.source}). Drop sharded_roles from the plan (the launch decides), or set the "
+                         "PaRO config's strategy to the plan's.")
+    data = plan.to_dict()
+    data["sharded_roles"] = {**wanted, **plan.sharded_roles}
+    merged = PlacementPlan.from_dict(data)
+    problem = sharding_error(merged)
+    if problem:
+        raise ValueError(f"{problem} (from the launched PaRO config: {launch.source})")
+    return merged
 
 
 def equivalence_issues(args: PPOConfig, plan: PlacementPlan, max_staleness: int | None = None) -> list[str]:

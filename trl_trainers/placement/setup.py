@@ -24,8 +24,9 @@ from transformers.utils import logging
 
 from hf_placement import PlacementPlan, RoleGroups, build_role_groups
 
+from ..launch_engine import LaunchEngine
 from ..ppo_config import PPOConfig
-from .resolve import equivalence_issues, resolve_plan
+from .resolve import apply_launch_engine, equivalence_issues, resolve_plan
 
 __all__ = ["PlacementSetup", "prepare_placement"]
 
@@ -50,13 +51,19 @@ class PlacementSetup:
 
 
 def prepare_placement(args: PPOConfig, placement: Any = None, group: Any = None,
-                      strict_equivalence: bool = False) -> PlacementSetup:
+                      strict_equivalence: bool = False, launch: LaunchEngine | None = None) -> PlacementSetup:
     """Resolve the plan (``placement``, else ``args.placement``, else co-located) for this job and build its groups.
 
     ``group`` (a process group) runs co-located PPO inside that sub-group without creating groups of its own (for a
-    job that places a whole PPO trainer on some of its ranks); it excludes ``placement``.
+    job that places a whole PPO trainer on some of its ranks); it excludes ``placement`` and an engine launched by
+    an accelerate config. ``launch`` (the engine of the launch, `launch_engine_from_env`) shards the plan's roles
+    under a PaRO config and restricts it to co-located under DeepSpeed / FSDP2.
     """
+    launch = launch or LaunchEngine()
     spec = placement if placement is not None else args.placement
+    if group is not None and launch.kind != "replicated":
+        raise ValueError(f"`group` runs PPO inside a sub-group, but the launch names an engine ({launch.source}) "
+                         "that trains over the whole job. Drop `group`, or launch without that config.")
     if group is not None:
         if spec is not None:
             raise ValueError("`group` and `placement` are mutually exclusive: a placement builds its own process "
@@ -66,7 +73,7 @@ def prepare_placement(args: PPOConfig, placement: Any = None, group: Any = None,
                               shards_per_rank=1, ranks_per_node=None)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     rank = dist.get_rank() if world > 1 else 0
-    plan = resolve_plan(spec, world, args)
+    plan = resolve_plan(apply_launch_engine(resolve_plan(spec, world, args), launch), world, args)
     issues = equivalence_issues(args, plan)
     if issues and strict_equivalence:
         raise ValueError(f"placement '{plan.strategy}' would not compute the co-located update: "
@@ -80,6 +87,6 @@ def prepare_placement(args: PPOConfig, placement: Any = None, group: Any = None,
         training_group = role_groups.group_for_ranks(side)
         # a trainer takes world / #trainers co-located shards; inference ranks generate shards round-robin
         shards = world // len(side) if rank in plan.roles["actor"] else 1
-    local = os.environ.get("LOCAL_WORLD_SIZE")
+    local = launch.paro_group_size or os.environ.get("LOCAL_WORLD_SIZE")
     return PlacementSetup(plan=plan, rank=rank, role_groups=role_groups, training_group=training_group,
                           shards_per_rank=shards, ranks_per_node=int(local) if local else None)
