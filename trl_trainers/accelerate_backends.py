@@ -32,7 +32,7 @@ from .batch_layout import BatchLayout
 from .ppo_config import PPOConfig
 from .training_backend import TrainingBackend
 
-__all__ = ["DeepSpeedBackend", "FSDP2Backend", "model_state_bytes"]
+__all__ = ["DeepSpeedBackend", "FSDP2Backend", "fill_deepspeed_config", "fsdp2_settings", "model_state_bytes"]
 
 
 def _innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
@@ -92,6 +92,23 @@ def _fill_or_check(config: dict[str, Any], key: str, value: Any, field_name: str
                          f"(as TRL's configs do) or pass --{field_name} {current}.")
 
 
+def fill_deepspeed_config(config: dict[str, Any], args: PPOConfig, layout: BatchLayout) -> None:
+    """Fill the ``"auto"`` batch, accumulation and clipping fields of the launch's DeepSpeed config from the PPO
+    layout (in place), and refuse settings the PPO update cannot honour, naming the key and the fix."""
+    for block in ("optimizer", "scheduler"):
+        if block in config:
+            raise ValueError(f"the DeepSpeed config has an `{block}` block; PPOTrainer builds AdamW and its LR "
+                             "schedule from PPOConfig (learning_rate, lr_scheduler_type, ...), as TRL did. Remove "
+                             f"`{block}` from the DeepSpeed config.")
+    if config.get("fp16", {}).get("enabled") is True:
+        raise ValueError("the DeepSpeed config enables fp16, which PPOTrainer does not support (as with fp16=True); "
+                         "set `mixed_precision: bf16` (or 'no') in the accelerate config.")
+    _fill_or_check(config, "train_micro_batch_size_per_gpu", layout.train_micro_batch, "per_device_train_batch_size")
+    _fill_or_check(config, "gradient_accumulation_steps", layout.accumulation_steps, "gradient_accumulation_steps")
+    if config.get("gradient_clipping", "auto") == "auto":
+        config["gradient_clipping"] = float(args.max_grad_norm or 0.0)
+
+
 def _zero_stage(config: dict[str, Any]) -> int:
     return int(config.get("zero_optimization", {}).get("stage", 0))
 
@@ -118,16 +135,7 @@ class DeepSpeedBackend(TrainingBackend):
 
         self.accelerator = Accelerator(gradient_accumulation_steps=layout.accumulation_steps)
         config = self.accelerator.state.deepspeed_plugin.deepspeed_config
-        for block in ("optimizer", "scheduler"):
-            if block in config:
-                raise ValueError(f"the DeepSpeed config has an `{block}` block; PPOTrainer builds AdamW and its LR "
-                                 "schedule from PPOConfig (learning_rate, lr_scheduler_type, ...), as TRL did. Remove "
-                                 f"`{block}` from the DeepSpeed config.")
-        _fill_or_check(config, "train_micro_batch_size_per_gpu", layout.train_micro_batch,
-                       "per_device_train_batch_size")
-        _fill_or_check(config, "gradient_accumulation_steps", layout.accumulation_steps, "gradient_accumulation_steps")
-        if config.get("gradient_clipping", "auto") == "auto":
-            config["gradient_clipping"] = float(args.max_grad_norm or 0.0)
+        fill_deepspeed_config(config, args, layout)
         self.stage = _zero_stage(config)
         self.args = args
         self.engine, prepared = self.accelerator.prepare(model, optimizer)

@@ -102,7 +102,7 @@ def launch_engine_from_env(environ: Mapping[str, str] | None = None) -> LaunchEn
     if paro:
         from accelerate_plugins import ParoPlugin
 
-        plugin = ParoPlugin.from_env()
+        plugin = ParoPlugin.from_env(dict(env))
         if plugin.strategy == "auto":
             raise ValueError("the PaRO config asks for strategy 'auto', which PPOTrainer does not resolve (the "
                              "guideline needs a calibrated step). Name a strategy, e.g. `strategy: IIG` in the PaRO "

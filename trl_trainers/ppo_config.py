@@ -160,8 +160,9 @@ class PPOConfig(TrainingArguments):
     ds3_gather_for_generation: bool = field(
         default=True,
         metadata={
-            "help": "When the policy is sharded (a plan with a sharded actor), gather its weights once for the whole "
-            "generation instead of per forward call (as TRL does under DeepSpeed ZeRO-3)."
+            "help": "When the policy is sharded (DeepSpeed ZeRO-3, or a plan with a sharded actor), gather its "
+            "weights once for the whole generation; False under ZeRO-3 gathers per layer through DeepSpeed's hooks "
+            "(less memory, slower), as in TRL. FSDP2 always unshards once per phase."
         },
     )
 
@@ -213,6 +214,13 @@ class PPOConfig(TrainingArguments):
             self.activation_checkpointing = self.gradient_checkpointing
             self.gradient_checkpointing = None
         super().__post_init__()
+        # The accelerate config's `mixed_precision` (exported as ACCELERATE_MIXED_PRECISION) applies when the
+        # arguments ask for none, as in the HF Trainer.
+        if self.mixed_precision == "fp16" and not self.fp16:
+            raise ValueError("the accelerate config sets `mixed_precision: fp16`, which PPOTrainer does not support "
+                             "(PPO's ratios and KL need bf16's range). Set `mixed_precision: bf16` or 'no'.")
+        if self.mixed_precision == "bf16":
+            self.bf16 = True
         if self.stop_token is not None and self.stop_token != "eos":
             raise ValueError(
                 f"stop_token={self.stop_token!r} is not supported: use 'eos' (the tokenizer's EOS) or None, "

@@ -26,6 +26,7 @@ def main() -> None:
     parser.add_argument("--no-ds3-gather", action="store_true")
     parser.add_argument("--save", action="store_true")
     parser.add_argument("--placement", default=None)
+    parser.add_argument("--lora", action="store_true", help="LoRA policy, reference = the adapter-disabled policy")
     opts = parser.parse_args()
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -48,11 +49,19 @@ def main() -> None:
     models = Path(opts.models)
     tok = char_tokenizer()
     policy = AutoModelForCausalLM.from_pretrained(models / "policy")
-    ref = AutoModelForCausalLM.from_pretrained(models / "policy")
+    ref = None if opts.lora else AutoModelForCausalLM.from_pretrained(models / "policy")
     value = AutoModelForSequenceClassification.from_pretrained(models / "value", num_labels=1)
     reward = AutoModelForSequenceClassification.from_pretrained(models / "reward", num_labels=1)
     # 3. trainer
-    trainer = PPOTrainer(args, tok, policy, ref, reward, prompt_dataset(tok, 24, exclude="z"), value)
+    peft_config = None
+    if opts.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0,
+                                 task_type="CAUSAL_LM")
+        torch.manual_seed(5)  # the adapter's initial weights: the same in every process
+    trainer = PPOTrainer(args, tok, policy, ref, reward, prompt_dataset(tok, 24, exclude="z"), value,
+                         peft_config=peft_config)
     trainer.train()
     rank = trainer.dist.rank
     state = trainer.backend.full_state_dict(trainer.model) if trainer.launch.is_accelerate_engine else None
