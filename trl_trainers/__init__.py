@@ -19,9 +19,9 @@ from .training_backend import ReplicatedBackend, TrainingBackend
 __all__ = [
     "BatchLayout",
     "DeepSpeedBackend",
+    "Experience",
     "FSDP2Backend",
     "LaunchEngine",
-    "Experience",
     "OnlineTrainerState",
     "PPOConfig",
     "PPOModels",

@@ -63,7 +63,8 @@ def main() -> None:
     trainer = PPOTrainer(args, tok, policy, ref, reward, prompt_dataset(tok, 24, exclude="z"), value,
                          peft_config=peft_config)
     trainer.train()
-    rank = trainer.dist.rank
+    # the job's rank (trainer.dist is the training group's, which a disaggregated inference rank numbers from 0)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     state = trainer.backend.full_state_dict(trainer.model) if trainer.launch.is_accelerate_engine else None
     if state is None:
         with trainer.full_weights():
@@ -72,7 +73,8 @@ def main() -> None:
         np.savez(out / "params.npz", **{k: v.float().numpy() for k, v in state.items()})
     report = {
         "rank": rank, "world": trainer.dist.world_size, "engine": trainer.launch.kind,
-        "source": trainer.launch.source, "scores": [h["objective/scores"] for h in trainer.state.log_history],
+        "source": trainer.launch.source,
+        "scores": [h["objective/scores"] for h in trainer.state.log_history if "objective/scores" in h],
         "model_state_bytes": trainer.model_state_bytes(),
         "sharded_roles": dict(trainer.plan.sharded_roles),
         "local_world_size": os.environ.get("LOCAL_WORLD_SIZE"),
@@ -80,7 +82,8 @@ def main() -> None:
     if opts.save:
         trainer.save_model(str(out / "saved"))
     (out / f"rank{rank}.json").write_text(json.dumps(report))
-    trainer.dist.barrier()
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
 
 
 if __name__ == "__main__":
