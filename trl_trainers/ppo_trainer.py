@@ -96,6 +96,12 @@ class PPOTrainer:
     placement computes the co-located update (see `trl_trainers.placement.equivalence_issues`;
     ``strict_equivalence=True`` raises instead of logging when a configuration cannot). A plan's ``sharded_roles``
     are sharded over their ranks by the PaRO engine (``"GGG"`` = ZeRO-3 by default, any PaRO strategy per role).
+
+    Engine: the one the launch names (`trl_trainers.launch_engine_from_env`), as TRL's prepare did through
+    Accelerate. An accelerate config with DeepSpeed trains on DeepSpeed ZeRO-0..3, with reference and reward as
+    ZeRO-3 inference engines under stage 3; FSDP trains on FSDP2; a PaRO config (``PARO_CONFIG_FILE`` /
+    ``PARO_STRATEGY``) shards the plan's roles with its strategy. A plain or data-parallel launch keeps full models
+    with one averaged gradient per step.
     """
 
     _tag_names = ["trl", "ppo"]

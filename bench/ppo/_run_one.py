@@ -6,6 +6,12 @@ reward, the character tokenizer of ``trl_trainers.testing``) with the same seeds
 iteration from ``on_step_end`` to ``on_step_end``. Phases: ours reports its own rollout/experience/training split; for
 TRL the split is taken from hooks on its module-level ``batch_generation`` (generation) and on the first
 ``accelerator.accumulate`` of an iteration (start of training), since its ``train()`` is one loop.
+
+Also runs as one rank of a multi-process launch (``accelerate launch --config_file examples/ppo/deepspeed_zero3.yaml
+--num_processes 2 bench/ppo/_run_one.py ...``): every rank builds the same models and the same per-device PPOConfig as
+in one process (what a user's script does when launched on more processes, so the global rollout batch is
+``world_size x batch``), times its own iterations and reports its own peak RSS. With ``--result-dir`` each rank
+writes ``<impl>.rank<RANK>.json`` there (the parent aggregates: max over ranks); without it, rank 0 prints the line.
 """
 
 from __future__ import annotations
@@ -42,7 +48,11 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--mini-batches", type=int, default=2)
     p.add_argument("--out", default="/tmp/bench_ppo_out")
+    p.add_argument("--ddp-backend", default=None, help="PPOConfig.ddp_backend (e.g. gloo for TRL on CPU ranks)")
+    p.add_argument("--no-use-cpu", action="store_true", help="do not pass use_cpu=True to PPOConfig")
+    p.add_argument("--result-dir", default=None, help="write <impl>.rank<RANK>.json here instead of printing")
     a = p.parse_args()
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
     import torch
 
@@ -65,14 +75,17 @@ def main() -> None:
     ref = tiny_causal_lm(vocab, 0, **size)
     value = tiny_value_model(vocab, 1, **size)
     reward = tiny_value_model(vocab, 2, **size)
-    dataset = prompt_dataset(tok, a.batch * (a.iters + 1), seed=0)
+    # one rollout of `batch` prompts per rank and iteration (TRL: local_batch_size = per-device x accumulation)
+    episodes = a.batch * world * (a.iters + 1)
+    dataset = prompt_dataset(tok, episodes, seed=0)
     args = PPOConfig(
         output_dir=os.path.join(a.out, a.impl), per_device_train_batch_size=a.batch // a.mini_batches,
         gradient_accumulation_steps=a.mini_batches, num_mini_batches=a.mini_batches, num_ppo_epochs=a.epochs,
         response_length=a.response_length, local_rollout_forward_batch_size=a.batch,
-        total_episodes=a.batch * (a.iters + 1), learning_rate=1e-5, temperature=0.7, bf16=False,
+        total_episodes=episodes, learning_rate=1e-5, temperature=0.7, bf16=False,
         gradient_checkpointing=False, report_to="none", disable_tqdm=True, num_sample_generations=0,
-        save_strategy="no", logging_strategy="no", seed=0, use_cpu=True,
+        save_strategy="no", logging_strategy="no", seed=0, use_cpu=not a.no_use_cpu,
+        **({"ddp_backend": a.ddp_backend} if a.ddp_backend else {}),
     )
     marks: dict[str, list[float]] = {"step_end": [], "gen_start": [], "gen_end": [], "train_start": []}
 
@@ -124,8 +137,22 @@ def main() -> None:
             for i, (gs, ge, ts) in enumerate(zip(marks["gen_start"], marks["gen_end"], marks["train_start"],
                                                   strict=True))
         ]
-    print(json.dumps({
+    # time of the iteration outside the three phases (TRL: from the previous step's end to batch_generation, i.e.
+    # the dataloader and, under ZeRO-3, unwrap_model_for_generation's weight gather; ours: whatever its phase clock
+    # does not cover)
+    phases = [{**ph, "other": it - sum(ph.get(k, 0.0) for k in ("generation", "experience", "training"))}
+              for ph, it in zip(phases, iteration, strict=False)]
+    import torch.distributed as tdist
+
+    record = {
         "impl": a.impl,
+        "rank": rank,
+        "world_size": world,
+        "ddp_backend": args.ddp_backend,
+        "process_group_backend": tdist.get_backend() if tdist.is_available() and tdist.is_initialized() else None,
+        "distributed_type": str(trainer.accelerator.state.distributed_type)
+        if getattr(trainer, "accelerator", None) is not None else None,
+        "engine": getattr(getattr(trainer, "launch", None), "source", None),
         "iteration_s": iteration,
         "phases": phases,
         "peak_rss_mb": peak_rss,
@@ -134,7 +161,23 @@ def main() -> None:
         "torch": torch.__version__,
         "trl": __import__("trl").__version__ if a.impl == "trl" else None,
         "transformers": __import__("transformers").__version__,
-    }))
+        "accelerate": __import__("accelerate").__version__,
+        "deepspeed": _version("deepspeed"),
+    }
+    if a.result_dir:
+        Path(a.result_dir).mkdir(parents=True, exist_ok=True)
+        Path(a.result_dir, f"{a.impl}.rank{rank}.json").write_text(json.dumps(record))
+    elif rank == 0:
+        print(json.dumps(record), flush=True)
+
+
+def _version(name: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(name)
+    except Exception:
+        return None
 
 
 if __name__ == "__main__":
