@@ -27,11 +27,16 @@ __all__ = ["ReplicatedBackend", "TrainingBackend", "adamw_factory"]
 
 
 def adamw_factory(args: PPOConfig):
-    """``fn(params_or_groups) -> AdamW`` with the config's hyper-parameters (TRL's default optimizer)."""
+    """``fn(params_or_groups) -> optimizer``: the optimizer the HF Trainer (and so TRL's PPO trainer) builds from
+    ``args.optim`` (default ``adamw_torch_fused``, several times faster than the per-tensor loop on CPU) with the
+    config's learning rate, betas, epsilon and weight decay."""
+    from transformers import Trainer
+
+    optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
+    kwargs = {**kwargs, "weight_decay": args.weight_decay}
 
     def make(params: Any) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(params, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
-                                 eps=args.adam_epsilon, weight_decay=args.weight_decay)
+        return optimizer_cls(params, **kwargs)
 
     return make
 
