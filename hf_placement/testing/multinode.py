@@ -20,6 +20,13 @@ Each agent gets ``HFSP_NODE`` (its node index), ``HFSP_NODE_ADDR``, ``GLOO_SOCKE
 Every agent and the whole run have timeouts, the rendezvous has a join timeout, and a failure raises
 `MultiNodeError` naming the node and launcher with the agent's stderr tail (workers' output goes through their
 agent). Whatever happens, every process started in a namespace is killed and the namespaces are removed on exit.
+
+A service the launches talk to (a sharding or parameter server on node 0, reachable from every node at
+``cluster.addresses[0]``) runs in a node's namespace with `MultiNodeCluster.node_argv`; `register_service` (or
+`start_service`, which does both) keeps it alive across launches, whose cleanup otherwise kills everything in the
+namespaces. It still dies with its node (`MultiNodeRun.kill_node`) and on exit::
+
+    svc = cluster.start_service(0, [sys.executable, "-m", "my_service", "--host", cluster.addresses[0]])
 """
 
 from __future__ import annotations
@@ -217,16 +224,18 @@ class MultiNodeRun:
         return "\n".join(f"--- node {n} ({self.launcher}) stderr tail ---\n{results[n].stderr[-2000:]}" for n in nodes)
 
     def close(self) -> None:
-        """Kill whatever still runs in the namespaces (agents and orphaned workers) and drop the logs."""
+        """Kill whatever still runs in the namespaces (agents and orphaned workers, not the registered services) and
+        drop the logs."""
         for node, proc in enumerate(self.procs):
             if proc.poll() is None:
-                self.cluster.kill_namespace(node)
+                self.cluster.kill_namespace(node, services=False)
                 try:
                     proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
         for node in range(len(self.procs)):
-            self.cluster.kill_namespace(node)  # workers start their own sessions: they can outlive their agent
+            # workers start their own sessions: they can outlive their agent. Registered services stay.
+            self.cluster.kill_namespace(node, services=False)
         for out, err in self._files:
             out.close()
             err.close()
@@ -249,6 +258,7 @@ class MultiNodeCluster:
                                                             self.emulated.addresses)
         self._workdir: Path | None = None
         self._runs: list[MultiNodeRun] = []
+        self._services: list[subprocess.Popen] = []
 
     @property
     def nodes(self) -> int:
@@ -265,17 +275,47 @@ class MultiNodeCluster:
     def __exit__(self, *exc: object) -> None:
         for run in self._runs:
             run.close()
+        for node in range(self.nodes):  # services; deleting a namespace does not end the processes inside it
+            self.kill_namespace(node)
+        for proc in self._services:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
         self.emulated.stop()
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
 
-    def kill_namespace(self, node: int) -> None:
+    def kill_namespace(self, node: int, services: bool = True) -> None:
+        """SIGKILL every process in the node's namespace; with ``services=False``, not the registered services."""
         pids = _sh("ip", "netns", "pids", self.namespaces[node], check=False).stdout.split()
+        if not services:
+            alive = {str(p.pid) for p in self._services if p.poll() is None}
+            pids = [pid for pid in pids if pid not in alive]
         for pid in pids:
             try:
                 os.kill(int(pid), signal.SIGKILL)
             except (ProcessLookupError, ValueError):
                 pass
+
+    # -- services ----------------------------------------------------------------------------------------------------
+    def node_argv(self, node: int, argv: Sequence[str]) -> list[str]:
+        """``argv`` run inside ``node``'s namespace (``ip netns exec`` execs it: the process keeps the pid). A server
+        started this way is reachable from every node at ``addresses[node]`` when it binds that address."""
+        return ["ip", "netns", "exec", self.namespaces[node], *argv]
+
+    def register_service(self, proc: subprocess.Popen) -> subprocess.Popen:
+        """Keep ``proc`` (started with `node_argv`) alive across launches: a launch's cleanup spares it; it dies with
+        its node (`MultiNodeRun.kill_node`) and when the cluster exits."""
+        self._services.append(proc)
+        return proc
+
+    def start_service(self, node: int, argv: Sequence[str], **popen_kwargs) -> subprocess.Popen:
+        """`subprocess.Popen` of ``argv`` in ``node``'s namespace, registered as a service (`register_service`)."""
+        if self._workdir is None:
+            raise RuntimeError("MultiNodeCluster.start_service() outside `with MultiNodeCluster(...)`")
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **popen_kwargs.pop("env", {})}
+        return self.register_service(subprocess.Popen(self.node_argv(node, argv), env=env, **popen_kwargs))
 
     # -- environment and command lines ---------------------------------------------------------------------------
     def node_env(self, node: int, env: dict[str, str] | None = None) -> dict[str, str]:
