@@ -200,7 +200,8 @@ class LightTEA:
                 with self._stage("triple_view", device):
                     feats.append(triple_view(graph, aspect, e_bar, x_cat, aspect_dim, cfg.mini_dim,
                                              _stream(cfg.seed, rnd, 2 * a + 1), rows,
-                                             label_dim=cfg.dim, matmul_dtype=low, layout=layout))
+                                             label_dim=cfg.dim, matmul_dtype=low, layout=layout,
+                                             first_hop=None if compat else (graph.entity_entity, e0)))
                 del e0, e_bar, x_cat
             with self._stage("fusion", device):
                 if cfg.fusion == "sum":

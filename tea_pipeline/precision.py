@@ -5,7 +5,8 @@ random projections ``E_bar P``. Both are approximations by design (the leading c
 width; the projections are random), so rounding their inputs to bf16 (fp32 accumulation) barely moves the
 alignment, while the products run much faster where bf16 is multiplied natively (CUDA, CPUs with AMX or
 AVX512-BF16); ``bench/tea/README.md`` has the measured speed and accuracy. Where bf16 is not native it is emulated
-and slower than fp32, so ``"auto"`` keeps fp32 there.
+and slower than fp32, so ``"auto"`` keeps fp32 there. A CPU whose bf16 units are switched off for oneDNN
+(``ONEDNN_MAX_CPU_ISA`` below AVX512_CORE_BF16, as the benchmark's AVX2 variant does) counts as having none.
 """
 
 from __future__ import annotations
@@ -42,4 +43,15 @@ def matmul_dtype(precision: str, device: torch.device) -> torch.dtype:
         return torch.bfloat16
     if device.type == "cuda":
         return torch.bfloat16
-    return torch.bfloat16 if device.type == "cpu" and cpu_has_native_bf16() else torch.float32
+    return torch.bfloat16 if device.type == "cpu" and cpu_has_native_bf16() and onednn_runs_bf16() else torch.float32
+
+
+def onednn_runs_bf16() -> bool:
+    """Whether oneDNN, which runs PyTorch's bf16 CPU products, may use the bf16 units (honours its ISA cap)."""
+    probe = getattr(getattr(torch.ops, "mkldnn", None), "_is_mkldnn_bf16_supported", None)
+    if probe is None:
+        return True  # an older/newer build without the probe: trust the CPU flags
+    try:
+        return bool(probe())
+    except RuntimeError:
+        return True

@@ -112,7 +112,8 @@ def triple_layout(graph: TKGGraph, aspect: AspectGraph, rows: torch.Tensor | Non
 def triple_view(graph: TKGGraph, aspect: AspectGraph, e_bar: torch.Tensor, x_cat: torch.Tensor, aspect_dim: int,
                 mini_dim: int, generator: torch.Generator, rows: torch.Tensor | None = None,
                 block: int = 64, label_dim: int | None = None,
-                matmul_dtype: torch.dtype = torch.float32, layout: TripleLayout | None = None) -> torch.Tensor:
+                matmul_dtype: torch.dtype = torch.float32, layout: TripleLayout | None = None,
+                first_hop: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Relation/time-triple view: F_j[h] = sum_{(h,t)} W[(h,t), j] * (E_bar P_j)[t] for j < D, concatenated.
 
     ``W = T_x (X_cat Q)`` is the summed aspect embedding of every tuple, and each of the D columns gets its own random
@@ -127,6 +128,11 @@ def triple_view(graph: TKGGraph, aspect: AspectGraph, e_bar: torch.Tensor, x_cat
     which are zero outside the seeds: their share of ``Z`` is computed for the seed rows only. ``matmul_dtype`` is
     the dtype of the ``E_bar P`` products (bf16: inputs and outputs rounded to 8 mantissa bits, fp32 accumulation;
     the sparse sums after them stay fp32).
+
+    ``first_hop = (A_ee, E0)``, the adjacency and seed labels `propagate` started from (with ``label_dim``): the
+    second block of ``E_bar`` is the normalised ``A_ee E0``, and ``E0`` is zero outside the labelled rows, so its
+    share of ``Z`` is computed as ``A_ee (E0 P)`` over the labelled rows (`first_hop_matrix`) instead of as a
+    dense product over every tail. It pays while the labelled rows are fewer than the tails (early rounds).
     """
     width = e_bar.shape[1]
     device = e_bar.device
@@ -143,11 +149,20 @@ def triple_view(graph: TKGGraph, aspect: AspectGraph, e_bar: torch.Tensor, x_cat
             sparse_rows = nz
             e_labels = e_tails[nz, :label_dim].contiguous()
             e_tails = e_tails[:, label_dim:].contiguous()
+    hop = None
+    if sparse_rows is not None and first_hop is not None and width >= 2 * label_dim:
+        hop = first_hop_matrix(first_hop[0], first_hop[1], layout.tails, e_bar[layout.tails, label_dim:2 * label_dim])
+        if hop is not None:
+            hop_matrix, hop_rows = hop
+            hop_labels = first_hop[1][hop_rows]
+            e_tails = e_tails[:, label_dim:].contiguous()  # what is left dense: blocks 2..L
     low = matmul_dtype != e_tails.dtype
     if low:
         e_tails = e_tails.to(matmul_dtype)
         if sparse_rows is not None:
             e_labels = e_labels.to(matmul_dtype)
+        if hop is not None:
+            hop_labels = hop_labels.to(matmul_dtype)
     out = torch.empty(layout.n_out, aspect_dim * mini_dim, device=device)
     for j0 in range(0, aspect_dim, block):
         j1 = min(j0 + block, aspect_dim)
@@ -156,14 +171,55 @@ def triple_view(graph: TKGGraph, aspect: AspectGraph, e_bar: torch.Tensor, x_cat
             p = p.to(matmul_dtype)
         if sparse_rows is None:
             z = e_tails @ p  # |tails| x (b * mini_dim)
-        else:
+        elif hop is None:
             z = e_tails @ p[label_dim:]
             z.index_add_(0, sparse_rows, e_labels @ p[:label_dim])
+        else:
+            z = e_tails @ p[2 * label_dim:]
+            z.index_add_(0, sparse_rows, e_labels @ p[:label_dim])
+            if z.dtype != torch.float32:
+                z = z.float()
+            z.addmm_(hop_matrix, (hop_labels @ p[label_dim:2 * label_dim]).float())  # c * A (E0 P) over the labels
         if z.dtype != torch.float32:
             z = z.float()  # the sparse sums run in fp32
         weighted_segment_sum(layout.crow, layout.tail_pos, w[:, j0:j1], z, mini_dim,
                              out[:, j0 * mini_dim:j1 * mini_dim])
     return l2n_(out)
+
+
+def first_hop_matrix(a_ee: torch.Tensor, e0: torch.Tensor, tails: torch.Tensor, e1_tails: torch.Tensor,
+                     max_share: float = 0.6) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(C A_ee[tails, L], L)`` with ``C A_ee[tails, L] E0[L] = E_bar[tails, d:2d]``; None when it would not pay.
+
+    ``L`` are the rows where ``e0`` is non-zero and ``C`` the per-row factor that turns ``A_ee E0`` into the second
+    block of ``E_bar`` (its own L2 normalisation times the normalisation of the concatenated row), read off
+    ``e1_tails`` (that block at the tail rows). The dense product it replaces costs ``|tails| d`` per projection
+    column, this one ``|L| d`` plus a sparse product, so it is built only while ``|L| <= max_share |tails|``.
+    """
+    labelled = e0.abs().amax(dim=1) > 0
+    n_lab = int(labelled.sum())
+    if n_lab == 0 or n_lab > max_share * len(tails):
+        return None
+    a = a_ee.to_sparse_coo().coalesce() if a_ee.layout != torch.sparse_coo else a_ee.coalesce()
+    row, col = a.indices()
+    row_pos = torch.full((a.shape[0],), -1, dtype=torch.long, device=e0.device)
+    row_pos[tails] = torch.arange(len(tails), device=e0.device)
+    col_pos = torch.full((a.shape[1],), -1, dtype=torch.long, device=e0.device)
+    lab_rows = torch.nonzero(labelled)[:, 0]
+    col_pos[lab_rows] = torch.arange(n_lab, device=e0.device)
+    keep = (row_pos[row] >= 0) & (col_pos[col] >= 0)
+    sub = torch.sparse_coo_tensor(torch.stack([row_pos[row[keep]], col_pos[col[keep]]]), a.values()[keep],
+                                  (len(tails), n_lab), check_invariants=False).coalesce()
+    sub = csr(sub)
+    hop = sub @ e0[lab_rows]  # A_ee E0 at the tails, before any normalisation
+    scale = torch.linalg.vector_norm(e1_tails, dim=1) * torch.rsqrt(
+        torch.clamp(torch.linalg.vector_norm(hop, dim=1).square(), min=EPS))
+    crow, cols, vals = sub.crow_indices(), sub.col_indices(), sub.values()
+    vals = vals * torch.repeat_interleave(scale, crow[1:] - crow[:-1])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*[Ss]parse CSR tensor support is in beta.*")
+        scaled = torch.sparse_csr_tensor(crow, cols, vals, sub.shape, check_invariants=False)
+    return scaled, lab_rows
 
 
 def aspect_features(graph: TKGGraph, aspect: AspectGraph, train_pairs: torch.Tensor, dim: int, steps: int,
@@ -174,4 +230,4 @@ def aspect_features(graph: TKGGraph, aspect: AspectGraph, train_pairs: torch.Ten
     e0 = seed_labels(graph.num_entities, train_pairs.cpu(), dim, generator).to(device)
     e_bar, x_cat = propagate(graph.entity_entity, aspect, e0, steps)
     return triple_view(graph, aspect, e_bar, x_cat, aspect_dim, mini_dim, generator, rows, label_dim=dim,
-                       matmul_dtype=matmul_dtype)
+                       matmul_dtype=matmul_dtype, first_hop=(graph.entity_entity, e0))

@@ -10,11 +10,14 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
 
 from tea_pipeline import LightTEA, LightTEAConfig, build_graph, l2n, make_synthetic_pair, propagate, triple_view
+from tea_pipeline.propagation import csr, first_hop_matrix
 from tea_pipeline.similarity import (
     TopK,
     blocked_topk,
@@ -65,10 +68,28 @@ def test_triple_view_seed_label_shortcut_equals_plain_loop(small_pair, use_rows:
     rows = torch.from_numpy(small_pair.test[:, ::-1].T.reshape(-1).copy()) if use_rows else None
     want = _loop_triple_view(g, g.relation, e_bar, x_cat, 5, 4, seed=9)
     want = want[rows] if use_rows else want
-    for block, ld in ((2, label_dim), (16, label_dim), (3, None)):
+    hop = (g.entity_entity, l2n(e0))
+    for block, ld, first_hop in ((2, label_dim, None), (16, label_dim, None), (3, None, None), (2, label_dim, hop),
+                                 (16, label_dim, (csr(g.entity_entity), l2n(e0)))):
         got = triple_view(g, g.relation, e_bar, x_cat, aspect_dim=5, mini_dim=4,
-                          generator=torch.Generator().manual_seed(9), rows=rows, block=block, label_dim=ld)
+                          generator=torch.Generator().manual_seed(9), rows=rows, block=block, label_dim=ld,
+                          first_hop=first_hop)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_first_hop_matrix_rebuilds_the_propagated_block_and_steps_aside_when_it_would_not_pay(small_pair) -> None:
+    g = build_graph(small_pair)
+    e0 = torch.zeros(g.num_entities, 8)
+    seeds = torch.from_numpy(small_pair.seeds).flatten()
+    e0[seeds] = l2n(torch.randn(len(seeds), 8, generator=torch.Generator().manual_seed(1)))
+    e_bar, _ = propagate(g.entity_entity, g.relation, e0, steps=2)
+    tails = torch.unique(g.tuple_tail)
+    got = first_hop_matrix(g.entity_entity, e0, tails, e_bar[tails, 8:16])
+    assert got is not None  # the labelled rows are few: the sparse path is taken
+    matrix, labelled = got
+    torch.testing.assert_close(matrix @ e0[labelled], e_bar[tails, 8:16], rtol=1e-5, atol=1e-6)
+    few = tails[: len(labelled) // 2]  # fewer tails than labelled rows: the dense product is cheaper
+    assert first_hop_matrix(g.entity_entity, e0, few, e_bar[few, 8:16]) is None
 
 
 def _low_rank_features(n_left: int, n_right: int, dim: int, rank: int, seed: int):
@@ -199,7 +220,7 @@ def test_fp16_stored_rescoring_is_within_fp16_rounding() -> None:
 
 
 def test_matmul_precision_config_and_dtype_rule() -> None:
-    from tea_pipeline.precision import cpu_has_native_bf16, matmul_dtype
+    from tea_pipeline.precision import cpu_has_native_bf16, matmul_dtype, onednn_runs_bf16
 
     assert LightTEAConfig(matmul_precision="bf16").matmul_precision == "bfloat16"
     assert LightTEAConfig(matmul_precision="FP32").matmul_precision == "float32"
@@ -209,7 +230,21 @@ def test_matmul_precision_config_and_dtype_rule() -> None:
     assert matmul_dtype("float32", cpu) == torch.float32
     assert matmul_dtype("bfloat16", cpu) == torch.bfloat16
     assert matmul_dtype("auto", torch.device("cuda")) == torch.bfloat16
-    assert matmul_dtype("auto", cpu) == (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
+    native = cpu_has_native_bf16() and onednn_runs_bf16()
+    assert matmul_dtype("auto", cpu) == (torch.bfloat16 if native else torch.float32)
+
+
+def test_auto_precision_honours_a_onednn_isa_cap() -> None:
+    """With oneDNN held to AVX2, bf16 products would be emulated (many times slower): "auto" must pick fp32."""
+    import subprocess
+    import sys
+
+    code = ("import torch; from tea_pipeline.precision import matmul_dtype; "
+            "print(matmul_dtype('auto', torch.device('cpu')))")
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "torch.float32"
 
 
 def test_fp32_and_bf16_runs_align_the_synthetic_pair_alike() -> None:
