@@ -48,13 +48,19 @@ class EmbeddingCollection(nn.Module):
 
     A single matrix makes row sharding (`RowShardedEmbeddingCollection`) a plain row split of the same tensor, so the
     sharded and unsharded models start from identical weights.
+
+    ``sparse_grad=True`` gives the table a sparse COO gradient holding only the rows looked up (``F.embedding(...,
+    sparse=True)``): with a large replicated table this avoids a dense table-sized gradient every step, and lets
+    ``torch.distributed.all_reduce`` send only those rows. It needs an optimizer that takes sparse gradients
+    (`torch.optim.SGD` without momentum, `Adagrad`, `SparseAdam`).
     """
 
     is_embedding_collection = True
 
     def __init__(self, vocab_sizes: list[int], embedding_dim: int, names: list[str] | None = None,
-                 init_std: float = 0.05, seed: int = 0):
+                 init_std: float = 0.05, seed: int = 0, sparse_grad: bool = False):
         super().__init__()
+        self.sparse_grad = bool(sparse_grad)
         if not vocab_sizes or any(int(v) < 1 for v in vocab_sizes):
             raise ValueError(f"vocab_sizes must be a non-empty list of positive ints, got {vocab_sizes}.")
         self.vocab_sizes = [int(v) for v in vocab_sizes]
@@ -78,7 +84,7 @@ class EmbeddingCollection(nn.Module):
         """``ids [N, F]`` -> ``[N, F, d]``."""
         if check:
             check_ids_in_range(ids, self.vocab_sizes, self.names)
-        return F.embedding(ids + self.offsets, self.weight)
+        return F.embedding(ids + self.offsets, self.weight, sparse=self.sparse_grad)
 
 
 @dataclass

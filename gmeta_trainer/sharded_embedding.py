@@ -11,6 +11,11 @@ table. A lookup is one round trip of ``all_to_all_single``:
 Dense layers stay data parallel (DDP all-reduce); the shard parameter is excluded from DDP, because each rank's
 shard gradient already is the sum over all ranks. ``grad_reduction="mean"`` divides it by ``world`` to match DDP's
 average, which is what makes 2 ranks reproduce 1 rank exactly.
+
+Why ``sparse_grad``: the dense shard gradient is a zero-filled ``[rows_per_rank, d]`` tensor every step, and a dense
+optimizer then sweeps every row of the shard, although a step touches only the rows looked up. With a large table
+those two sweeps cost more than the lookup itself (bench/gmeta/README.md, cluster benchmark); a sparse COO gradient
+of the served rows, with an optimizer that takes sparse gradients (`Adagrad`, `SGD`, `SparseAdam`), skips them.
 """
 
 from __future__ import annotations
@@ -37,9 +42,9 @@ class _ShardedLookup(torch.autograd.Function):
     """Vectors of ``recv_local`` rows of this rank's shard, sent back to the requesting ranks (and grads reversed)."""
 
     @staticmethod
-    def forward(ctx, local_weight, recv_local, send_splits, recv_splits, group, grad_scale):
+    def forward(ctx, local_weight, recv_local, send_splits, recv_splits, group, grad_scale, sparse_grad=False):
         ctx.save_for_backward(recv_local)
-        ctx.meta = (send_splits, recv_splits, group, grad_scale, local_weight.shape)
+        ctx.meta = (send_splits, recv_splits, group, grad_scale, local_weight.shape, sparse_grad)
         served = local_weight.index_select(0, recv_local)
         # the rows we serve go back to the ranks that asked: splits swap direction
         return _a2a(served, recv_splits, send_splits, group)
@@ -47,13 +52,18 @@ class _ShardedLookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_vecs):
         (recv_local,) = ctx.saved_tensors
-        send_splits, recv_splits, group, grad_scale, shape = ctx.meta
+        send_splits, recv_splits, group, grad_scale, shape, sparse_grad = ctx.meta
         grad_served = _a2a(grad_vecs, send_splits, recv_splits, group)
+        if sparse_grad:  # rows asked for by several ranks appear once per rank (uncoalesced): their sum is the grad
+            if grad_scale != 1.0:
+                grad_served.mul_(grad_scale)
+            grad_local = torch.sparse_coo_tensor(recv_local.unsqueeze(0), grad_served, shape, check_invariants=False)
+            return grad_local, None, None, None, None, None, None
         grad_local = torch.zeros(shape, dtype=grad_served.dtype, device=grad_served.device)
         grad_local.index_add_(0, recv_local, grad_served)
         if grad_scale != 1.0:
             grad_local.mul_(grad_scale)
-        return grad_local, None, None, None, None, None
+        return grad_local, None, None, None, None, None, None
 
 
 class RowShardedEmbeddingCollection(nn.Module):
@@ -69,6 +79,8 @@ class RowShardedEmbeddingCollection(nn.Module):
         group: process group (default: the world).
         grad_reduction (`str`, defaults to `"mean"`): `"mean"` divides shard gradients by the world size (DDP
             semantics), `"sum"` keeps the sum over ranks.
+        sparse_grad (`bool`, defaults to `False`): give the shard a sparse COO gradient of the rows served this step
+            instead of a dense shard-sized one (needs an optimizer that takes sparse gradients, e.g. `Adagrad`).
     """
 
     is_embedding_collection = True
@@ -76,7 +88,7 @@ class RowShardedEmbeddingCollection(nn.Module):
 
     def __init__(self, vocab_sizes: list[int], embedding_dim: int, names: list[str] | None = None,
                  full_weight: torch.Tensor | None = None, group=None, grad_reduction: str = "mean",
-                 init_std: float = 0.05, seed: int = 0):
+                 init_std: float = 0.05, seed: int = 0, sparse_grad: bool = False):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("RowShardedEmbeddingCollection needs an initialised torch.distributed process group "
@@ -90,6 +102,7 @@ class RowShardedEmbeddingCollection(nn.Module):
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.grad_reduction = grad_reduction
+        self.sparse_grad = bool(sparse_grad)
         rows = sum(self.vocab_sizes)
         self.rows_per_rank = math.ceil(rows / self.world)
         self.row_start = min(self.rank * self.rows_per_rank, rows)
@@ -127,7 +140,8 @@ class RowShardedEmbeddingCollection(nn.Module):
         recv_rows = _a2a(uniq, send_splits, recv_splits, self.group)
         recv_local = recv_rows - self.row_start
         scale = 1.0 / self.world if self.grad_reduction == "mean" else 1.0
-        vecs = _ShardedLookup.apply(self.local_weight, recv_local, send_splits, recv_splits, self.group, scale)
+        vecs = _ShardedLookup.apply(self.local_weight, recv_local, send_splits, recv_splits, self.group, scale,
+                                    self.sparse_grad)
         return vecs.index_select(0, inverse).reshape(*ids.shape, self.embedding_dim)
 
     @torch.no_grad()
@@ -140,16 +154,19 @@ class RowShardedEmbeddingCollection(nn.Module):
         return torch.cat(out)[: self.num_rows]
 
 
-def shard_embeddings(model: nn.Module, group=None, grad_reduction: str = "mean") -> nn.Module:
+def shard_embeddings(model: nn.Module, group=None, grad_reduction: str = "mean",
+                     sparse_grad: bool | None = None) -> nn.Module:
     """Replace every `EmbeddingCollection` inside ``model`` by a `RowShardedEmbeddingCollection` holding this rank's
-    rows of the same weights (in place; returns ``model``)."""
+    rows of the same weights (in place; returns ``model``). ``sparse_grad`` defaults to the table's own setting."""
     replaced = 0
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, EmbeddingCollection):
                 sharded = RowShardedEmbeddingCollection(child.vocab_sizes, child.embedding_dim, child.names,
                                                         full_weight=child.weight.detach(), group=group,
-                                                        grad_reduction=grad_reduction)
+                                                        grad_reduction=grad_reduction,
+                                                        sparse_grad=child.sparse_grad if sparse_grad is None
+                                                        else sparse_grad)
                 setattr(module, child_name, sharded)
                 replaced += 1
     if replaced == 0:

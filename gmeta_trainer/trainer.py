@@ -256,13 +256,24 @@ class MetaTrainer(Trainer):
         # Global norm = dense part (identical on every rank after DDP) + shards (disjoint rows, summed over ranks);
         # the clip factor is then the same on every rank, as in a single process.
         dense = [p for p in learner.parameters() if p.grad is not None and not getattr(p, "_gmeta_sharded", False)]
-        dense_sq = sum((p.grad.detach().float().pow(2).sum() for p in dense), torch.zeros(()))
-        shard_sq = sum((p.grad.detach().float().pow(2).sum() for p in sharded if p.grad is not None),
-                       torch.zeros(()))
+        dense_sq = sum((_squared_norm(p.grad) for p in dense), torch.zeros(()))
+        shard_sq = sum((_squared_norm(p.grad) for p in sharded if p.grad is not None), torch.zeros(()))
         dist.all_reduce(shard_sq)
         total = (dense_sq + shard_sq).sqrt()
         coef = torch.clamp(self.args.max_grad_norm / (total + 1e-6), max=1.0)
         for p in [*dense, *sharded]:
-            if p.grad is not None:
-                p.grad.detach().mul_(coef.to(p.grad.dtype))
+            if p.grad is None:
+                continue
+            # in place on the values: `mul_` on a detached alias of a sparse tensor rebinds the alias's values and
+            # leaves the gradient unscaled
+            (p.grad._values() if p.grad.is_sparse else p.grad).detach().mul_(coef.to(p.grad.dtype))
         return total
+
+
+def _squared_norm(grad: torch.Tensor) -> torch.Tensor:
+    """``||grad||²`` in fp32; a sparse gradient (``sparse_grad`` tables) is coalesced first, since its repeated
+    rows add up before they are squared."""
+    grad = grad.detach()
+    if grad.is_sparse:
+        grad = grad.coalesce().values()
+    return grad.float().pow(2).sum()
