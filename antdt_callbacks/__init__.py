@@ -16,11 +16,12 @@ _EXPORTS = {
     "agent": ["EXIT_RESTART", "AntDTAgent"],
     "client": ["ShardingClient"],
     "config": ["AgentConfig", "ControllerConfig", "JobConfig", "MonitorConfig", "ServeConfig"],
-    "controller": ["Plan", "controller_step", "equal_split", "proportional_split", "restart_saving_s"],
+    "controller": ["Plan", "controller_step", "equal_split", "evict_saving_s", "proportional_split",
+                   "restart_saving_s"],
     "dataset": ["BatchMeta", "ServiceIterableDataset"],
-    "elastic": ["init_distributed"],
+    "elastic": ["EXIT_EVICTED", "init_distributed", "node_id"],
     "errors": ["AntDTError", "BadRequestError", "FencedError", "NotFoundError", "PayloadTooLargeError",
-               "ServiceError", "ServiceUnavailableError", "StaleIncarnationError", "UnauthorizedError",
+               "RefusedError", "ServiceError", "ServiceUnavailableError", "StaleIncarnationError", "UnauthorizedError",
                "UnknownWorkerError"],
     "launch": ["ServiceProcess", "launch_service"],
     "server": ["ShardingService"],
@@ -47,15 +48,23 @@ if TYPE_CHECKING:  # pragma: no cover - static analysers see the eager imports
     from .agent import EXIT_RESTART, AntDTAgent  # noqa: F401
     from .client import ShardingClient  # noqa: F401
     from .config import AgentConfig, ControllerConfig, JobConfig, MonitorConfig, ServeConfig  # noqa: F401
-    from .controller import Plan, controller_step, equal_split, proportional_split, restart_saving_s  # noqa: F401
+    from .controller import (  # noqa: F401
+        Plan,
+        controller_step,
+        equal_split,
+        evict_saving_s,
+        proportional_split,
+        restart_saving_s,
+    )
     from .dataset import BatchMeta, ServiceIterableDataset  # noqa: F401
-    from .elastic import init_distributed  # noqa: F401
+    from .elastic import EXIT_EVICTED, init_distributed, node_id  # noqa: F401
     from .errors import (  # noqa: F401
         AntDTError,
         BadRequestError,
         FencedError,
         NotFoundError,
         PayloadTooLargeError,
+        RefusedError,
         ServiceError,
         ServiceUnavailableError,
         StaleIncarnationError,

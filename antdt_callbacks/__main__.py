@@ -1,4 +1,5 @@
-"""Command line: ``python -m antdt_callbacks serve ...`` runs the sharding service; ``status`` queries one."""
+"""Command line: ``python -m antdt_callbacks serve ...`` runs the sharding service; ``status`` queries one; ``evict``
+asks one to evict a node (refused with the reason when the job's rules forbid it)."""
 
 from __future__ import annotations
 
@@ -47,12 +48,24 @@ def main(argv: list[str] | None = None) -> int:
     status = sub.add_parser("status", help="print a running service's status as JSON")
     status.add_argument("--url", required=True, help="http://host:port of the service")
     status.add_argument("--token", default=None, help="shared token (default $ANTDT_TOKEN)")
+    evict = sub.add_parser("evict", help="evict a node: its ranks checkpoint with the others and leave, the job "
+                                         "re-forms without it, and it is blacklisted")
+    evict.add_argument("--url", required=True, help="http://host:port of the service")
+    evict.add_argument("--token", default=None, help="shared token (default $ANTDT_TOKEN)")
+    evict.add_argument("--node", required=True, help="the node's name (ANTDT_NODE_ID of its workers)")
+    evict.add_argument("--reason", default="evicted by an operator", help="why (kept with the blacklist entry)")
     args = parser.parse_args(argv)
-    if args.cmd == "status":
+    if args.cmd in ("status", "evict"):
         from .client import ShardingClient
+        from .errors import ServiceError
 
         client = ShardingClient(args.url, config=AgentConfig(url=args.url, token=args.token, retry_timeout_s=5))
-        print(json.dumps(client.status(), indent=2))
+        try:
+            reply = client.status() if args.cmd == "status" else client.evict(args.node, args.reason)
+        except ServiceError as e:
+            print(f"error: {e.code}: {e.message}", file=sys.stderr)
+            return 1
+        print(json.dumps(reply, indent=2))
         return 0
     import logging
 

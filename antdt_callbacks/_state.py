@@ -29,13 +29,29 @@ import numpy as np
 
 from ._index import ShardIndex
 from .config import ControllerConfig, JobConfig, MonitorConfig
-from .controller import Plan, controller_step, initial_control_state, monitor_observe
-from .errors import BadRequestError, FencedError, NotFoundError, StaleIncarnationError, UnknownWorkerError
+from .controller import (
+    Plan,
+    controller_step,
+    equal_split,
+    evict_node,
+    eviction_refusal,
+    initial_control_state,
+    monitor_observe,
+)
+from .errors import (
+    BadRequestError,
+    FencedError,
+    NotFoundError,
+    RefusedError,
+    StaleIncarnationError,
+    UnknownWorkerError,
+)
 
 __all__ = ["Decision", "JobState", "Shard", "Worker", "apply", "decide", "new_job_state", "shard_sample_ids"]
 
 TODO, DOING, DONE = "TODO", "DOING", "DONE"
-OPS = ("register", "lease", "ack", "renew", "release", "commit", "restore", "plan", "status", "metrics")
+OPS = ("register", "lease", "ack", "renew", "release", "commit", "restore", "reform", "evict", "plan", "status",
+       "metrics")
 _REPLY_CACHE = 64
 
 
@@ -111,6 +127,7 @@ class Decision:
     # (every entry of those ranks). `apply` writes them into the state's Monitor maps in place; ``meta["control"]``
     # then carries the rest of the control state, with the state's own Monitor.
     monitor: dict[str, dict[str, Any]] = field(default_factory=dict)
+    reset_monitor: bool = False  # the Monitor rows are replaced by ``monitor`` (the job re-formed: new ranks)
 
     @functools.cached_property
     def cache_text(self) -> str:
@@ -121,7 +138,7 @@ class Decision:
     @property
     def mutates(self) -> bool:
         return bool(self.shards or self.replace_shards or self.workers or self.meta or self.snapshot_put
-                    or self.snapshot_drop or self.reply_cache or self.monitor)
+                    or self.snapshot_drop or self.reply_cache or self.monitor or self.reset_monitor)
 
 
 def make_epoch_shards(job: JobConfig, epoch: int) -> list[Shard]:
@@ -186,11 +203,36 @@ def _items(req: dict, max_items: int = 256) -> list[dict]:
     return items
 
 
+def active_world(st: JobState) -> int:
+    """Ranks of the current rendezvous round (the job's ``world_size`` until a ``reform`` says otherwise)."""
+    return len(st.control["plan"]["batch_sizes"])
+
+
+def generation(st: JobState) -> int:
+    """The job's incarnation: +1 at every ``reform`` (rendezvous round), monotonic per job, never per agent."""
+    return int(st.control.get("generation", 0))
+
+
+def _check_rank(st: JobState, rank: int) -> None:
+    world = active_world(st)
+    if rank >= world:
+        raise UnknownWorkerError(f"rank {rank} is outside the current round's world size {world} (the job's "
+                                 f"world_size={st.job.world_size}, generation {generation(st)}).")
+
+
+def _check_generation(st: JobState, rank: int, inc: int) -> None:
+    gen = generation(st)
+    if inc < gen:
+        raise StaleIncarnationError(f"rank {rank} incarnation {inc} is older than the job's generation {gen}: this "
+                                    "process belongs to an earlier rendezvous round (a spare or zombie with a stale "
+                                    "incarnation) and must stop; the current round re-formed without it.")
+
+
 def _worker(st: JobState, req: dict) -> tuple[int, int]:
     rank = _int(req, "rank", 0, 1 << 20)
     inc = _int(req, "incarnation", 0, 1 << 30)
-    if rank >= st.job.world_size:
-        raise UnknownWorkerError(f"rank {rank} is outside this job's world_size={st.job.world_size}.")
+    _check_rank(st, rank)
+    _check_generation(st, rank, inc)
     w = st.workers.get(rank)
     if w is None:
         raise UnknownWorkerError(f"rank {rank} has not registered; call register first.")
@@ -299,8 +341,15 @@ def _register(st: JobState, req: dict, now: float) -> Decision:
     cap = req.get("max_micro_batch")
     if cap is not None:
         cap = _int(req, "max_micro_batch", 1, 1 << 24)
-    if rank >= st.job.world_size:
-        raise UnknownWorkerError(f"rank {rank} is outside this job's world_size={st.job.world_size}.")
+    node = _node(req.get("node"), "node", required=False)
+    _check_rank(st, rank)
+    if node is not None:
+        _refuse_blacklisted(st, [node])
+        nodes = st.control.get("nodes") or []
+        if len(nodes) == active_world(st) and nodes[rank] != node:
+            raise BadRequestError(f"rank {rank} runs on node {nodes[rank]!r} in this round (generation "
+                                  f"{generation(st)}), not on {node!r}.")
+    _check_generation(st, rank, inc)
     old = st.workers.get(rank)
     if old is not None and inc < old.incarnation:
         raise StaleIncarnationError(f"rank {rank} incarnation {inc} is older than the registered incarnation "
@@ -422,7 +471,7 @@ def _ack(st: JobState, req: dict, now: float) -> Decision:
             # as if the steps had arrived one request each.
             if (monitor_observe(control["monitor"], st.monitor_cfg, rank, step, samples, compute_s)
                     and _round_due(st.control["monitor"]["closed"], key, control["monitor"]["closed"][key],
-                                   control["rounds"], st.job.world_size)):
+                                   control["rounds"], active_world(st))):
                 if remaining is None:
                     remaining = _remaining_samples(st, updates)
                 control = controller_step(control, st.monitor_cfg, st.controller_cfg, remaining)
@@ -523,14 +572,20 @@ def _commit(st: JobState, req: dict, now: float) -> Decision:
     return Decision(reply={"ok": True, "checkpoint_id": cid}, snapshot_put=(cid, _snapshot(st)), snapshot_drop=drop)
 
 
-def _restore(st: JobState, req: dict, now: float) -> Decision:
-    """Roll progress back to snapshot ``checkpoint_id``: every lease is revoked, acked offsets are the snapshot's."""
-    _worker(st, req)
-    cid = _int(req, "checkpoint_id", 0, 1 << 40)
+def _snapshot_of(st: JobState, cid: int) -> dict:
+    """The committed snapshot of checkpoint ``cid``, or a NotFoundError that says which ones exist."""
     snap = st.snapshots.get(cid)
     if snap is None:
         raise NotFoundError(f"no snapshot for checkpoint {cid}; available: {sorted(st.snapshots)}. The checkpoint "
                             "was written without its snapshot being committed; resume from an earlier checkpoint.")
+    return snap
+
+
+def _restore(st: JobState, req: dict, now: float) -> Decision:
+    """Roll progress back to snapshot ``checkpoint_id``: every lease is revoked, acked offsets are the snapshot's."""
+    _worker(st, req)
+    cid = _int(req, "checkpoint_id", 0, 1 << 40)
+    snap = _snapshot_of(st, cid)
     shards = [Shard(e, i, a, b, o, state, -1, -1, 0, 0.0, acked) for e, i, a, b, o, state, acked in snap["shards"]]
     control = copy.deepcopy(st.control)
     plan = dict(snap["plan"])
@@ -538,11 +593,79 @@ def _restore(st: JobState, req: dict, now: float) -> Decision:
     plan["version"] = control["plan"]["version"] + 1
     plan["actions"] = {}
     plan["micro_batch"] = control["plan"]["micro_batch"]
+    if len(plan["batch_sizes"]) != active_world(st):  # a snapshot of a round with another world: keep this one's
+        plan["batch_sizes"] = list(control["plan"]["batch_sizes"])
     control["plan"] = plan
-    control["streak"] = [0] * st.job.world_size
-    control["classes"] = ["normal"] * st.job.world_size
+    control["streak"] = [0] * active_world(st)
+    control["classes"] = ["normal"] * active_world(st)
     return Decision(reply={"ok": True, "checkpoint_id": cid, "epoch": snap["epoch"], "plan": plan},
                     shards=shards, replace_shards=True, meta={"epoch": snap["epoch"], "control": control})
+
+
+def _node(v: Any, name: str, required: bool = True) -> str | None:
+    if v is None and not required:
+        return None
+    if not isinstance(v, str) or not 0 < len(v) <= 128:
+        raise BadRequestError(f"field {name!r} must be a node name of 1..128 characters, got {v!r}.")
+    return v
+
+
+def _refuse_blacklisted(st: JobState, nodes: list[str]) -> None:
+    black = st.control.get("blacklist", {})
+    bad = sorted(set(nodes) & set(black))
+    if bad:
+        why = "; ".join(f"{n}: {black[n].get('reason', 'evicted')}" for n in bad)
+        raise RefusedError(f"node(s) {bad} are blacklisted and may not rejoin this job ({why}). Re-form the job "
+                           "without them (their agents must leave the rendezvous).")
+
+
+def _reform(st: JobState, req: dict, now: float) -> Decision:
+    """Rank 0 of a new rendezvous round: the round's members (node of every rank), the checkpoint it resumes from.
+    The job's generation goes up by one (every earlier process is fenced off), progress rolls back to that
+    checkpoint's snapshot (every lease of the earlier round, an evicted worker's included, is revoked: its
+    unconsumed tail is leased again), and the plan starts over as an equal split of the new world. A blacklisted
+    member is refused, and nothing changes."""
+    if _int(req, "rank", 0, 1 << 20) != 0:
+        raise BadRequestError("only rank 0 of a round may re-form the job.")
+    world = _int(req, "world_size", 1, st.job.world_size)
+    nodes = req.get("nodes")
+    if not isinstance(nodes, list) or len(nodes) != world:
+        raise BadRequestError(f"field 'nodes' must list the node of each of the {world} ranks.")
+    nodes = [_node(n, "nodes[]") for n in nodes]
+    _refuse_blacklisted(st, nodes)
+    cid = _int(req, "checkpoint_id", 0, 1 << 40)
+    snap = _snapshot_of(st, cid)
+    old = st.control
+    gen = max([generation(st)] + [w.incarnation for w in st.workers.values()]) + 1
+    control = initial_control_state(world, equal_split(st.job.global_batch_size, world))
+    rounds = int(old["rounds"])
+    # Rounds stay monotonic (the history is keyed by them): every rank starts as having closed `rounds` windows.
+    control["monitor"]["closed"] = {str(r): rounds for r in range(world)}
+    control.update(rounds=rounds, restarts=old["restarts"], history=old["history"], nodes=nodes,
+                   blacklist=dict(old.get("blacklist", {})), evictions=int(old.get("evictions", 0)), generation=gen)
+    control["plan"]["version"] = int(old["plan"]["version"]) + 1
+    shards = [Shard(e, i, a, b, o, state, -1, -1, 0, 0.0, acked) for e, i, a, b, o, state, acked in snap["shards"]]
+    d = Decision(reply={"generation": gen, "plan": control["plan"], "epoch": snap["epoch"], "checkpoint_id": cid,
+                        "nodes": nodes, "job": st.job.to_dict()},
+                 shards=shards, replace_shards=True, meta={"epoch": snap["epoch"], "control": control})
+    d.monitor = {str(r): {"closed": rounds} for r in range(world)}
+    d.reset_monitor = True
+    return d
+
+
+def _evict(st: JobState, req: dict, now: float) -> Decision:
+    """An operator's eviction of ``node`` (the Controller decides its own the same way): refused with the reason when
+    the rules forbid it (fewer than ``min_nodes`` left, not a member, one pending)."""
+    node = _node(req.get("node"), "node")
+    reason = req.get("reason", "evicted by request")
+    if not isinstance(reason, str) or len(reason) > 1000:
+        raise BadRequestError("field 'reason' must be a string of at most 1000 characters.")
+    refusal = eviction_refusal(st.control, st.controller_cfg, node)
+    if refusal is not None:
+        raise RefusedError(f"eviction refused: {refusal}")
+    control = evict_node(st.control, node, reason)
+    return Decision(reply={"ok": True, "plan": control["plan"], "blacklist": control["blacklist"]},
+                    meta={"control": control})
 
 
 def _plan(st: JobState, req: dict, now: float) -> Decision:
@@ -559,7 +682,9 @@ def _status(st: JobState, req: dict, now: float) -> Decision:
                            "workers": {str(w.rank): w.incarnation for w in st.workers.values()},
                            "plan": st.control["plan"], "classes": st.control["classes"],
                            "snapshots": sorted(st.snapshots), "restarts": st.control["restarts"],
-                           "job": st.job.to_dict()})
+                           "generation": generation(st), "nodes": st.control.get("nodes", []),
+                           "blacklist": st.control.get("blacklist", {}),
+                           "evictions": st.control.get("evictions", 0), "job": st.job.to_dict()})
 
 
 def _metrics(st: JobState, req: dict, now: float) -> Decision:
@@ -569,7 +694,8 @@ def _metrics(st: JobState, req: dict, now: float) -> Decision:
 
 
 _HANDLERS = {"register": _register, "lease": _lease, "ack": _ack, "renew": _renew, "release": _release,
-             "commit": _commit, "restore": _restore, "plan": _plan, "status": _status, "metrics": _metrics}
+             "commit": _commit, "restore": _restore, "reform": _reform, "evict": _evict, "plan": _plan,
+             "status": _status, "metrics": _metrics}
 
 
 def apply(st: JobState, d: Decision) -> None:
@@ -590,6 +716,8 @@ def apply(st: JobState, d: Decision) -> None:
         st.lease_seq = int(d.meta["lease_seq"])
     if "control" in d.meta:
         st.control = d.meta["control"]
+    if d.reset_monitor:
+        st.control["monitor"] = {name: {} for name in st.control["monitor"]}
     for key, entries in d.monitor.items():
         for name, value in entries.items():
             st.control["monitor"].setdefault(name, {})[key] = value

@@ -2,16 +2,21 @@
 
 When it acts (hook order of transformers 5, one optimizer step):
 
-- ``on_train_begin``: register with the service as (rank, ``TORCHELASTIC_RESTART_COUNT``); rank 0 restores the
-  service to the snapshot of the checkpoint being resumed (snapshot 0 on a fresh start), so progress acknowledged
-  after that checkpoint (by a model state that no longer exists) is rolled back; then a barrier.
+- ``on_train_begin``: the ranks gather their node names; rank 0 re-forms the job in the service (``reform``: a new
+  generation, the members' nodes, the snapshot of the checkpoint being resumed, snapshot 0 on a fresh start, so
+  progress acknowledged after that checkpoint by a model state that no longer exists is rolled back) and broadcasts
+  the generation; every rank registers with it as its incarnation. The generation is monotonic per job, unlike
+  ``TORCHELASTIC_RESTART_COUNT``, which is per agent (a replacement agent starts from 0 again). A round that
+  contains a blacklisted node is refused: that node's ranks stop their agent, the others exit to re-form.
 - ``on_step_end``: queue the acknowledgement of the samples this step consumed and its local compute time; a
   sender thread on its own clock (``AgentConfig.ack_period_s``) sends what queued since its last beat as one
   request, off the step's critical path, and adopts a new plan from the reply (it applies from the next fetch).
   Stop training at the last batch; before a checkpoint, flush acks, barrier, and rank 0 commits the service snapshot
   under the checkpoint's global step.
-- ``on_save``: after a checkpoint requested for a kill-and-restart, exit with `EXIT_RESTART` so ``torchrun
-  --max-restarts`` restarts the group, which resumes from that checkpoint.
+- ``on_save``: after a checkpoint requested for a kill-and-restart or an eviction, exit with `EXIT_RESTART` so
+  ``torchrun --max-restarts`` restarts the group (with ``--nnodes MIN:MAX`` it re-forms through the elastic
+  rendezvous), which resumes from that checkpoint; the ranks of an evicted node stop their agent instead
+  (`leave_node`), so the job re-forms without it.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from transformers.utils import logging
 from .config import AgentConfig
 from .controller import Plan
 from .dataset import ServiceIterableDataset
-from .errors import AntDTError
+from .elastic import EXIT_EVICTED, leave_node, node_id
+from .errors import AntDTError, RefusedError
 
 __all__ = ["EXIT_RESTART", "AntDTAgent"]
 
@@ -39,8 +45,12 @@ EXIT_RESTART = 75
 """Exit code of a worker that checkpointed and leaves for a kill-and-restart (any non-zero code restarts)."""
 
 
+def _dist_ready() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if _dist_ready():
         dist.barrier()
 
 
@@ -151,17 +161,52 @@ class AntDTAgent(TrainerCallback, ExportableState):
             raise TypeError("AntDTAgent needs the train dataloader to read a ServiceIterableDataset; use a Trainer "
                             "with AntDTTrainerMixin (e.g. AntDTTrainer), which builds it.")
         self.dataset = ds
-        ds.connect()
-        if ds.rank == 0:
-            # Fresh start -> snapshot 0 (what a previous, crashed attempt consumed is rolled back too).
-            ds.client.restore(int(state.global_step))
-            logger.info("antdt: service restored to checkpoint step %d", state.global_step)
+        self._join_round(ds, int(state.global_step))
         _barrier()
         ds.apply_plan(Plan.from_dict(ds.client.plan()["plan"]), force=True)
         self.plan_version = ds.plan_version
         self._sender = threading.Thread(target=self._send_loop, name="antdt-acks", daemon=True)
         self._sender.start()
         self._last_end = time.perf_counter()
+
+    def _join_round(self, ds: ServiceIterableDataset, checkpoint_id: int) -> None:
+        """Re-form the job in the service for this rendezvous round and register under its generation."""
+        me = node_id()
+        nodes = [me]
+        if _dist_ready():
+            nodes = [None] * dist.get_world_size()
+            dist.all_gather_object(nodes, me)
+        verdict: dict = {}
+        if ds.rank == 0:
+            try:
+                # Fresh start -> snapshot 0 (what a previous, crashed attempt consumed is rolled back too).
+                reply = ds.client.reform(len(nodes), nodes, checkpoint_id)
+                verdict = {"generation": int(reply["generation"])}
+            except RefusedError as e:
+                black = ds.client.status().get("blacklist", {})
+                verdict = {"refused": e.message, "blacklisted": sorted(set(nodes) & set(black))}
+            except BaseException as e:  # noqa: BLE001 - every rank must hear of it, not wait in the broadcast
+                verdict = {"error": f"{type(e).__name__}: {e}"}
+        if _dist_ready():
+            box = [verdict]
+            dist.broadcast_object_list(box, src=0)
+            verdict = box[0]
+        if "error" in verdict:
+            raise AntDTError(f"rank 0 could not re-form the job in the service: {verdict['error']}")
+        if "refused" in verdict:
+            if me in verdict["blacklisted"]:
+                logger.warning("antdt rank %d: node %s is blacklisted (%s); stopping its agent", ds.rank, me,
+                               verdict["refused"])
+                leave_node(EXIT_EVICTED)
+            # no barrier: the blacklisted ranks are leaving
+            logger.warning("antdt rank %d: this round has blacklisted nodes %s; exiting with code %d to re-form "
+                           "without them", ds.rank, verdict["blacklisted"], EXIT_RESTART)
+            os._exit(EXIT_RESTART)
+        ds.client.incarnation = verdict["generation"]
+        ds.node = me
+        ds.connect()
+        logger.info("antdt rank %d on %s: generation %d, resuming from checkpoint step %d (nodes %s)", ds.rank, me,
+                    verdict["generation"], checkpoint_id, nodes)
 
     def on_step_end(self, args, state, control, **kwargs):
         t0 = time.perf_counter()
@@ -208,6 +253,12 @@ class AntDTAgent(TrainerCallback, ExportableState):
     def on_save(self, args, state, control, **kwargs):
         if self._exit_after_save:
             _barrier()
+            ds = self.dataset
+            plan = Plan.from_dict(ds.client.plan()["plan"]) if ds is not None else None
+            if plan is not None and plan.actions.get(ds.rank) == "evict":
+                logger.warning("antdt rank %d: checkpoint %d written; node %s is evicted: stopping its agent",
+                               ds.rank, state.global_step, node_id())
+                leave_node(EXIT_EVICTED)
             logger.warning("antdt rank %s: checkpoint %d written; exiting with code %d for a kill-and-restart",
                            os.environ.get("RANK", "0"), state.global_step, EXIT_RESTART)
             os._exit(EXIT_RESTART)

@@ -118,11 +118,24 @@ class ShardingClient:
         self._drop_conn()
 
     # ------------------------------------------------------------------------------------------- ops
-    def register(self, pid: int | None = None, max_micro_batch: int | None = None) -> dict:
+    def register(self, pid: int | None = None, max_micro_batch: int | None = None, node: str | None = None) -> dict:
         body = {"pid": os.getpid() if pid is None else pid}
         if max_micro_batch is not None:
             body["max_micro_batch"] = int(max_micro_batch)
+        if node is not None:
+            body["node"] = str(node)
         return self.call("register", body)
+
+    def reform(self, world_size: int, nodes: list[str], checkpoint_id: int) -> dict:
+        """Rank 0 of a new rendezvous round: start the job's next generation with these members (the node of every
+        rank) from the snapshot of ``checkpoint_id``. Returns ``{"generation", "plan", ...}``; adopt the generation
+        as this client's incarnation (every rank registers with it)."""
+        return self.call("reform", {"rank": 0, "world_size": int(world_size), "nodes": [str(n) for n in nodes],
+                                    "checkpoint_id": int(checkpoint_id)}, worker=False)
+
+    def evict(self, node: str, reason: str = "evicted by request") -> dict:
+        """Evict ``node`` (an operator's request; the Controller evicts on its own under the ND policy)."""
+        return self.call("evict", {"node": str(node), "reason": str(reason)}, worker=False)
 
     def lease(self, min_samples: int = 1, max_shards: int = 1) -> dict:
         """Lease shards until ``min_samples`` unconsumed samples are held (at most ``max_shards`` shards)."""

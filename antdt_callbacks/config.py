@@ -142,6 +142,12 @@ class ControllerConfig(_DictMixin):
             checkpoint load, redone steps); the ND rule restarts only when the time it saves exceeds this.
         max_restarts (`int`, *optional*, defaults to 0): kill-and-restart budget; keep it <= torchrun's
             ``--max-restarts``. 0 disables kill-and-restart.
+        > Parameters that control node eviction (ND policy, elastic ``torchrun --nnodes MIN:MAX``)
+        max_evictions (`int`, *optional*, defaults to 0): how many nodes the Controller may evict; 0 disables it. An
+            evicted node is blacklisted: the job re-forms without it and it may not rejoin.
+        evict_cost_s (`float`, *optional*, defaults to 30): seconds an eviction costs (checkpoint, re-rendezvous,
+            worker restart, redone steps); the Controller evicts only when running without the node saves more.
+        min_nodes (`int`, *optional*, defaults to 1): torchrun's ``MIN``; no eviction may leave fewer nodes.
     """
 
     policy: str = field(default="dd", metadata={"help": "dd | nd | off."})
@@ -150,6 +156,9 @@ class ControllerConfig(_DictMixin):
     cooldown_windows: int = field(default=1, metadata={"help": "Windows to wait after a change."})
     restart_cost_s: float = field(default=30.0, metadata={"help": "Seconds one kill-and-restart costs."})
     max_restarts: int = field(default=0, metadata={"help": "Kill-and-restart budget (<= torchrun --max-restarts)."})
+    max_evictions: int = field(default=0, metadata={"help": "Node eviction budget (0 = never evict)."})
+    evict_cost_s: float = field(default=30.0, metadata={"help": "Seconds one node eviction costs."})
+    min_nodes: int = field(default=1, metadata={"help": "torchrun's MIN nodes; no eviction goes below it."})
 
     def __post_init__(self) -> None:
         self.policy = str(self.policy).lower()
@@ -160,6 +169,9 @@ class ControllerConfig(_DictMixin):
         _positive(self, "cooldown_windows", allow_zero=True)
         _positive(self, "restart_cost_s", allow_zero=True)
         _positive(self, "max_restarts", allow_zero=True)
+        _positive(self, "max_evictions", allow_zero=True)
+        _positive(self, "evict_cost_s", allow_zero=True)
+        _positive(self, "min_nodes")
 
 
 def _is_loopback(host: str) -> bool:

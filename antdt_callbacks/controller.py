@@ -23,14 +23,20 @@ __all__ = [
     "Plan",
     "controller_step",
     "equal_split",
+    "eviction_refusal",
+    "evict_node",
+    "evict_saving_s",
+    "fit_step_cost",
     "initial_control_state",
     "monitor_observe",
     "predicted_step_time",
+    "predicted_step_time_fixed",
     "proportional_split",
     "restart_saving_s",
 ]
 
 _HISTORY = 256
+_SHAPES = 16  # windows kept per rank for the per-step / per-sample cost fit
 
 
 @dataclass(frozen=True)
@@ -159,6 +165,11 @@ def monitor_observe(mon: dict, cfg: MonitorConfig, rank: int, step: int, samples
     wins = mon["windows"].setdefault(key, [])
     wins.append(pend[0] / pend[1])
     del wins[:-_HISTORY]
+    # (mean batch, mean compute seconds) per step of the window: windows at different batch sizes (before and
+    # after a re-split) separate a rank's per-step cost from its per-sample cost (`fit_step_cost`).
+    shape = mon.setdefault("shape", {}).setdefault(key, [])
+    shape.append([pend[0] / pend[2], pend[1] / pend[2]])
+    del shape[:-_SHAPES]
     mon["closed"][key] = mon["closed"].get(key, 0) + 1
     mon["pending"][key] = [0, 0.0, 0]
     return True
@@ -167,7 +178,7 @@ def monitor_observe(mon: dict, cfg: MonitorConfig, rank: int, step: int, samples
 def initial_control_state(world: int, batch_sizes: list[int]) -> dict:
     """Monitor + Controller state of a new job, JSON-able."""
     return {
-        "monitor": {"last_step": {}, "pending": {}, "windows": {}, "closed": {}},
+        "monitor": {"last_step": {}, "pending": {}, "windows": {}, "closed": {}, "shape": {}},
         "rounds": 0,
         "streak": [0] * world,
         "classes": ["normal"] * world,
@@ -175,6 +186,11 @@ def initial_control_state(world: int, batch_sizes: list[int]) -> dict:
         "restarts": 0,
         "plan": Plan(0, tuple(batch_sizes), tuple([None] * world), {}).to_dict(),
         "history": [],
+        # Elastic membership (ND): the node of every rank of the current rendezvous round ([] = not told, then no
+        # eviction is possible), the evicted nodes with why, and how many evictions were decided.
+        "nodes": [],
+        "blacklist": {},
+        "evictions": 0,
     }
 
 
@@ -185,6 +201,123 @@ def _classify(streak: int, ratio: float, rounds: int, mcfg: MonitorConfig) -> st
         return "transient"
     # Slow since the first window at a steady ratio: heterogeneous hardware rather than contention.
     return "deterministic" if streak >= rounds else "persistent"
+
+
+def fit_step_cost(shape: list[list[float]]) -> tuple[float, float]:
+    """``(fixed_s, per_sample_s)`` of one rank from its windows' ``[mean batch, mean compute s]`` per step.
+
+    A least-squares line through the windows. Why: a rank's step costs a part that does not shrink with its batch
+    (optimizer, gradient buckets, Python per step) and a part per sample; a straggler slows both, and dynamic sharding
+    can only take away the second. With one batch size seen (no re-split yet) the two cannot be told apart and the
+    whole cost is taken as per-sample (what `proportional_split` assumes)."""
+    pts = [(float(b), float(t)) for b, t in shape if b > 0 and t > 0]
+    if not pts:
+        return 0.0, 0.0
+    mb = sum(b for b, _ in pts) / len(pts)
+    mt = sum(t for _, t in pts) / len(pts)
+    var = sum((b - mb) ** 2 for b, _ in pts)
+    if var < 0.25 * len(pts):  # batch sizes within about half a sample of each other: no slope to fit
+        return 0.0, mt / mb
+    c = sum((b - mb) * (t - mt) for b, t in pts) / var
+    c = max(c, 1e-3 * mt / mb)  # noise can tilt the line the wrong way: time never falls with more samples
+    f = min(max(mt - c * mb, 0.0), min(t for _, t in pts))
+    return f, c
+
+
+def predicted_step_time_fixed(total: int, fixed: list[float], per_sample: list[float], min_batch: int = 1) -> float:
+    """Shortest synchronous step ``max_i fixed_i + b_i * per_sample_i`` over splits of ``total`` samples with
+    ``b_i >= min_batch`` (continuous water-filling: ranks finish together, except those held at ``min_batch``).
+    Every member costs at least its own fixed part plus ``min_batch`` samples: that floor is what a slow node
+    imposes on every step however little data it gets."""
+    n = len(fixed)
+    if n == 0:
+        return math.inf
+    held: set[int] = set()
+    while True:
+        free = [i for i in range(n) if i not in held]
+        if not free:
+            t = 0.0
+            break
+        inv = sum(1.0 / per_sample[i] for i in free)
+        t = (total - min_batch * len(held) + sum(fixed[i] / per_sample[i] for i in free)) / inv
+        low = [i for i in free if (t - fixed[i]) / per_sample[i] < min_batch]
+        if not low:
+            break
+        held.update(low)
+    return max([t] + [fixed[i] + min_batch * per_sample[i] for i in held])
+
+
+def evict_saving_s(total: int, fixed: list[float], per_sample: list[float], leaving: list[int],
+                   remaining_steps: float, evict_cost_s: float, min_batch: int = 1) -> float:
+    """ND break-even of an eviction: seconds saved over the remaining steps by running without the ranks in
+    ``leaving`` (their node evicted, the global batch split over the others) rather than absorbing them with dynamic
+    sharding, minus what the eviction costs (checkpoint, re-rendezvous, restart, redone steps). Positive = evict."""
+    keep = [i for i in range(len(fixed)) if i not in set(leaving)]
+    if not keep:
+        return -math.inf
+    t_absorb = predicted_step_time_fixed(total, fixed, per_sample, min_batch)
+    t_without = predicted_step_time_fixed(total, [fixed[i] for i in keep], [per_sample[i] for i in keep], min_batch)
+    return remaining_steps * (t_absorb - t_without) - evict_cost_s
+
+
+def eviction_refusal(ctl: dict, ccfg: ControllerConfig, node: str) -> str | None:
+    """Why evicting ``node`` must be refused now (None: it may go). Shared by the Controller and the ``evict`` op."""
+    nodes = list(ctl.get("nodes") or [])
+    if node in ctl.get("blacklist", {}):
+        return f"node {node!r} is already evicted ({ctl['blacklist'][node].get('reason', '')})."
+    if node not in nodes:
+        return (f"node {node!r} is not a member of the current rendezvous round (members: {sorted(set(nodes))}); "
+                "only a member can be evicted.")
+    pending = sorted({nodes[int(r)] for r, a in ctl["plan"].get("actions", {}).items()
+                      if a == "evict" and int(r) < len(nodes)})
+    if pending:
+        return f"the eviction of {pending} is pending until the job re-forms; evict one node at a time."
+    left = len(set(nodes) - {node})
+    if left < ccfg.min_nodes:
+        return (f"evicting node {node!r} would leave {left} node(s), fewer than min_nodes={ccfg.min_nodes} (torchrun "
+                "--nnodes MIN:MAX); its straggling is absorbed by dynamic sharding instead.")
+    return None
+
+
+def evict_node(ctl: dict, node: str, reason: str) -> dict:
+    """Control state with ``node`` blacklisted and an ``evict`` action for each of its ranks (a new plan version).
+    Every rank checkpoints at the same step; the node's ranks then stop their agent and the others re-form."""
+    nodes = list(ctl.get("nodes") or [])
+    plan = Plan.from_dict(ctl["plan"])
+    actions = {r: "evict" for r, n in enumerate(nodes) if n == node}
+    new = {**ctl, "blacklist": {**ctl.get("blacklist", {}), node: {"reason": reason, "round": ctl["rounds"]}},
+           "evictions": int(ctl.get("evictions", 0)) + 1}
+    new["plan"] = Plan(plan.version + 1, plan.batch_sizes, plan.micro_batch, actions).to_dict()
+    return new
+
+
+def _consider_eviction(new: dict, mcfg: MonitorConfig, ccfg: ControllerConfig, rank: int, ratio: float,
+                       total: int, remaining_steps: float) -> dict:
+    """The ND choice for one persistent severe straggler: a history note, with ``"evict": True`` when it pays."""
+    nodes = list(new.get("nodes") or [])
+    world = len(new["streak"])
+    if len(nodes) != world:
+        return {"rank": rank, "choice": "absorb", "why": "the nodes of the ranks are unknown"}
+    node = nodes[rank]
+    refusal = eviction_refusal(new, ccfg, node)
+    if refusal is not None:
+        return {"rank": rank, "node": node, "choice": "absorb", "why": refusal}
+    costs = [fit_step_cost(new["monitor"].get("shape", {}).get(str(r), [])) for r in range(world)]
+    if any(c <= 0 for _, c in costs):
+        return {"rank": rank, "node": node, "choice": "absorb", "why": "no cost measurement for every rank yet"}
+    leaving = [r for r in range(world) if nodes[r] == node]
+    saving = evict_saving_s(total, [f for f, _ in costs], [c for _, c in costs], leaving, remaining_steps,
+                            ccfg.evict_cost_s, ccfg.min_batch_size)
+    note = {"rank": rank, "node": node, "saving_s": round(saving, 3), "fixed_s": round(costs[rank][0], 5),
+            "per_sample_s": round(costs[rank][1], 6),
+            "others_fixed_s": round(statistics.median([f for i, (f, _) in enumerate(costs) if i not in leaving]
+                                                      or [0.0]), 5)}
+    if saving <= 0:
+        return {**note, "choice": "absorb", "why": "evicting does not pay back its cost over the remaining steps"}
+    return {**note, "choice": "evict", "evict": True,
+            "why": (f"persistent straggler at {ratio:.2f}x the median rate for {new['streak'][rank]} windows; "
+                    f"evicting saves {saving:.1f} s over the remaining {remaining_steps:.0f} steps net of "
+                    f"evict_cost_s={ccfg.evict_cost_s}")}
 
 
 def controller_step(ctl: dict, mcfg: MonitorConfig, ccfg: ControllerConfig, remaining_samples: int) -> dict:
@@ -210,19 +343,36 @@ def controller_step(ctl: dict, mcfg: MonitorConfig, ccfg: ControllerConfig, rema
     total = sum(cur)
     target = cur
     actions: dict[int, str] = {}
+    notes: list[dict] = []
+    evicted: dict | None = None
     if ccfg.policy == "dd":
         target = proportional_split(total, rates, ccfg.min_batch_size)
     elif ccfg.policy == "nd":
         stragglers = [r for r in range(world) if new["classes"][r] != "normal"]
         target = proportional_split(total, rates, ccfg.min_batch_size) if stragglers else equal_split(total, world)
         remaining_steps = remaining_samples / max(total, 1)
+        pending = {r: a for r, a in plan.actions.items() if a == "evict"}
+        if pending:
+            stragglers = []  # an eviction holds until the job re-forms without the node; nothing else is decided
         for r in stragglers:
             severe = ratios[r] < mcfg.severe_ratio and new["classes"][r] in ("persistent", "deterministic")
+            if severe and int(new.get("evictions", 0)) < ccfg.max_evictions:
+                note = _consider_eviction(new, mcfg, ccfg, r, ratios[r], total, remaining_steps)
+                notes.append(note)
+                if note.pop("evict", False):
+                    evicted = note
+                    break
             if severe and new["restarts"] < ccfg.max_restarts:
                 saving = restart_saving_s(target, rates, r, remaining_steps, ccfg.restart_cost_s,
                                           ccfg.min_batch_size)
                 if saving > 0:
                     actions[r] = "restart"
+    if evicted is not None:
+        new = evict_node(new, evicted["node"], evicted["why"])
+        new["history"].append({"round": new["rounds"], "rates": rates, "classes": list(new["classes"]),
+                               "batch_sizes": list(cur), "version": new["plan"]["version"], "eviction": notes})
+        del new["history"][:-_HISTORY]
+        return new
     changed = False
     if new["cooldown"] > 0:
         new["cooldown"] -= 1
@@ -235,9 +385,14 @@ def controller_step(ctl: dict, mcfg: MonitorConfig, ccfg: ControllerConfig, rema
     if actions:
         new["restarts"] += len(actions)
         changed = True
+    if ccfg.policy == "nd" and plan.actions and all(a == "evict" for a in plan.actions.values()):
+        actions = dict(plan.actions)  # keep the pending eviction in every new plan
     if changed:
         new["plan"] = Plan(plan.version + 1, tuple(cur), plan.micro_batch, actions).to_dict()
-    new["history"].append({"round": new["rounds"], "rates": rates, "classes": list(new["classes"]),
-                           "batch_sizes": list(cur), "version": new["plan"]["version"]})
+    entry = {"round": new["rounds"], "rates": rates, "classes": list(new["classes"]), "batch_sizes": list(cur),
+             "version": new["plan"]["version"]}
+    if notes:
+        entry["eviction"] = notes
+    new["history"].append(entry)
     del new["history"][:-_HISTORY]
     return new

@@ -145,6 +145,7 @@ class ServiceIterableDataset(IterableDataset):
         self.batch_size = 0
         self.micro_cap: int | None = self.config.max_micro_batch
         self.restart_requested = False
+        self.node: str | None = None  # this worker's node (set by the Agent; sent with register)
         self.plan_version = -1
         self.current_meta: BatchMeta | None = None
         self.wait_s = 0.0
@@ -162,11 +163,14 @@ class ServiceIterableDataset(IterableDataset):
     # ------------------------------------------------------------------------------------------- service
     def connect(self) -> dict:
         """Register this worker; returns the register reply (job, plan)."""
-        reply = self.client.register(max_micro_batch=self.config.max_micro_batch)
+        reply = self.client.register(max_micro_batch=self.config.max_micro_batch, node=self.node)
         job = JobConfig.from_dict(reply["job"])
-        if job.world_size != self.world_size:
-            raise AntDTError(f"the service's job has world_size={job.world_size} but this run has "
-                             f"{self.world_size} ranks. Start the service with --world-size {self.world_size}.")
+        planned = len(reply["plan"]["batch_sizes"])
+        if planned != self.world_size:
+            hint = (f"Start the service with --world-size {self.world_size}." if job.world_size < self.world_size
+                    else "Rank 0 re-forms the job for an elastic round (AntDTAgent does it at on_train_begin).")
+            raise AntDTError(f"the service plans for {planned} ranks (job world_size={job.world_size}) but this run "
+                             f"has {self.world_size} ranks. {hint}")
         if len(self.dataset) < job.dataset_size:
             raise AntDTError(f"the service serves {job.dataset_size} sample ids but the dataset has only "
                              f"{len(self.dataset)} samples. Start the service with --dataset-size {len(self.dataset)}.")
@@ -182,7 +186,9 @@ class ServiceIterableDataset(IterableDataset):
         self.batch_size = int(plan.batch_sizes[self.rank])
         cap = plan.micro_batch[self.rank]
         self.micro_cap = cap if cap is not None else self.config.max_micro_batch
-        self.restart_requested = plan.actions.get(self.rank) == "restart"
+        # Any action (a rank's kill-and-restart, a node's eviction) makes every rank checkpoint at the same step:
+        # the flag is all-reduced with the next batch.
+        self.restart_requested = bool(plan.actions)
         return True
 
     @property

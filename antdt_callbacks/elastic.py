@@ -18,10 +18,45 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
+import socket
+import time
 
 import torch.distributed as dist
 
-__all__ = ["init_distributed"]
+__all__ = ["EXIT_EVICTED", "init_distributed", "leave_node", "node_id"]
+
+EXIT_EVICTED = 76
+"""Exit code of a worker whose node was evicted (it stops its torchrun agent first, so the agent does not restart
+it and leaves the rendezvous; the remaining agents re-form the job without the node)."""
+
+
+def node_id() -> str:
+    """The name of the node this process runs on: ``$ANTDT_NODE_ID``, else the emulated cluster's ``$HFSP_NODE``,
+    else the host name. The service blacklists nodes by this name, so every worker of one node must agree on it."""
+    explicit = os.environ.get("ANTDT_NODE_ID")
+    if explicit:
+        return explicit
+    if os.environ.get("HFSP_NODE"):
+        return f"node{os.environ['HFSP_NODE']}"
+    return socket.gethostname()
+
+
+def leave_node(code: int = EXIT_EVICTED, grace_s: float = 60.0) -> None:
+    """Take this node out of the elastic job: SIGTERM the torchrun agent that launched this worker (a signalled agent
+    stops its workers and exits *without* closing the rendezvous, so the other agents can re-form; an agent left
+    running would restart this worker into the next round), then wait to be stopped with it. Outside torchrun, or
+    if the agent does not stop us within ``grace_s``, exit with ``code``."""
+    agent = os.getppid()
+    if os.environ.get("TORCHELASTIC_RUN_ID") and agent > 1:
+        try:
+            os.kill(agent, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+    os._exit(code)
 
 
 def init_distributed(backend: str = "gloo", timeout_s: float = 600.0) -> bool:

@@ -13,6 +13,7 @@ __all__ = [
     "FencedError",
     "NotFoundError",
     "PayloadTooLargeError",
+    "RefusedError",
     "ServiceError",
     "ServiceUnavailableError",
     "StaleIncarnationError",
@@ -84,6 +85,14 @@ class FencedError(ServiceError):
     status = 409
 
 
+class RefusedError(ServiceError):
+    """A well-formed request the job's rules forbid: evicting below ``min_nodes``, a blacklisted node joining or
+    re-forming the job. The message says which rule and why; nothing was changed."""
+
+    code = "refused"
+    status = 409
+
+
 class PayloadTooLargeError(ServiceError):
     """The request body is larger than the service accepts."""
 
@@ -96,7 +105,8 @@ class ServiceUnavailableError(AntDTError):
 
 
 _BY_CODE = {cls.code: cls for cls in (BadRequestError, UnauthorizedError, UnknownWorkerError, NotFoundError,
-                                      StaleIncarnationError, FencedError, PayloadTooLargeError, ServiceError)}
+                                      StaleIncarnationError, FencedError, PayloadTooLargeError, RefusedError,
+                                      ServiceError)}
 
 
 def error_from_payload(payload: dict) -> ServiceError:

@@ -109,7 +109,7 @@ class SQLiteStore:
     def _read_control(self, core: dict) -> dict:
         if all(k in core for k in _SPLIT):
             return core  # written whole by an earlier version: the next write stores it in parts
-        mon: dict[str, dict] = {"last_step": {}, "pending": {}, "windows": {}, "closed": {}}
+        mon: dict[str, dict] = {"last_step": {}, "pending": {}, "windows": {}, "closed": {}, "shape": {}}
         for rank, entry in self.conn.execute("SELECT rank, entry FROM monitor"):
             for name, value in json.loads(entry).items():
                 mon.setdefault(name, {})[rank] = value
@@ -187,6 +187,7 @@ class SQLiteStore:
         meta: dict[str, object] = {}
         control: dict | None = None
         monitor: dict[str, dict] = {}
+        reset_monitor = False
         snapshots: dict[int, dict | None] = {}  # None: drop
         replies: list[tuple] = []
         seq = self._reply_seq
@@ -201,6 +202,9 @@ class SQLiteStore:
                     control = v
                 else:
                     meta[k] = v
+            if d.reset_monitor:
+                monitor.clear()
+                reset_monitor = True
             monitor.update(d.monitor)
             if d.snapshot_put is not None:
                 snapshots[d.snapshot_put[0]] = d.snapshot_put[1]
@@ -219,6 +223,8 @@ class SQLiteStore:
                           [(w.rank, w.incarnation, w.pid, w.max_micro_batch) for w in workers.values()])
             c.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
                           [(k, v if isinstance(v, str) else json.dumps(v)) for k, v in meta.items()])
+            if reset_monitor:
+                c.execute("DELETE FROM monitor")
             if control is not None:
                 self._put_control(control, monitor)
             c.executemany("INSERT OR REPLACE INTO snapshots VALUES (?, ?)",

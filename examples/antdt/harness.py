@@ -2,6 +2,9 @@
 plus ``torchrun --max-restarts`` over `train_worker.py`, with optional faults. Shared by the fault tests, the
 benchmark and the notebook.
 
+``run_elastic_job`` runs AntDT-ND on emulated nodes instead (`elastic_cluster`): one ``torchrun --nnodes MIN:MAX``
+agent per node, slow nodes slowed by co-tenant processes on their cores, evictions through the elastic rendezvous.
+
 ``run_job`` returns the final ``seen`` counter of the committed model (how often each sample id contributed), the
 per-rank reports of the last incarnation, the service status and the torchrun exit code.
 """
@@ -105,6 +108,131 @@ def run_job(out: str | os.PathLike, world: int, job: JobConfig, monitor: Monitor
         return JobResult(rc, seen, reports, status, log_path.read_text(errors="replace"), events, wall, stats)
     finally:
         svc.stop()
+
+
+@dataclass
+class ElasticResult:
+    agents: dict  # node name -> elastic_cluster.AgentRun
+    seen: list[float] | None
+    reports: list[dict]
+    status: dict
+    events: list[str]
+    wall_s: float
+    finished: bool
+    history: list[dict] = field(default_factory=list)  # the Controller's rounds (rates, classes, eviction notes)
+
+    def log(self) -> str:
+        return "\n".join(f"===== agent {n} (rc {a.returncode}) =====\n{a.log[-6000:]}" for n, a in self.agents.items())
+
+
+def run_elastic_job(out: str | os.PathLike, nodes: list, job: JobConfig, monitor: MonitorConfig | None = None,
+                    controller: ControllerConfig | None = None, worker_args: list[str] | None = None,
+                    min_nodes: int = 1, max_nodes: int | None = None, max_restarts: int = 3, timeout_s: float = 300,
+                    kill_service_on_eviction: bool = False, service_down_s: float = 1.5,
+                    after_eviction: list | None = None) -> ElasticResult:
+    """AntDT-ND on emulated nodes (`elastic_cluster.Node`): the service, then one ``torchrun --nnodes MIN:MAX``
+    agent per node. With ``kill_service_on_eviction`` the service is SIGKILLed as soon as it has blacklisted a node
+    (the job is then checkpointing and re-forming) and restarted ``service_down_s`` later on the same port and
+    database. ``after_eviction`` nodes start their agents once the job has re-formed without the evicted node: a
+    spare joining, or (the same name) the evicted node trying to rejoin."""
+    from elastic_cluster import ElasticJob, read_reports
+
+    from antdt_callbacks import ShardingClient
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    events: list[str] = []
+    svc = launch_service(out / "service.sqlite", job, monitor, controller)
+    args = ["--url", svc.url, "--out", str(out / "run"), "--dataset-size", str(job.dataset_size),
+            "--pg-timeout-s", "60", *(worker_args or [])]
+    cluster = ElasticJob(out, nodes, args, min_nodes, max_nodes or len(nodes), max_restarts)
+    t0 = time.time()
+    stop_killer = threading.Event()
+    killer = None
+    if kill_service_on_eviction:
+        killer = threading.Thread(target=_kill_service_on_eviction, args=(svc, service_down_s, events, stop_killer))
+        killer.start()
+    joined = threading.Event()
+    try:
+        cluster.start()
+        if after_eviction:
+            threading.Thread(target=_join_after_eviction, args=(svc, cluster, after_eviction, events, stop_killer,
+                                                                joined), daemon=True).start()
+        finished = cluster.wait(timeout_s, until=None)
+        if after_eviction and joined.is_set():
+            finished = cluster.wait(max(1.0, timeout_s - (time.time() - t0)))
+        if not finished:
+            events.append(f"job not finished after {timeout_s} s")
+        stop_killer.set()
+        if killer is not None:
+            killer.join(timeout=60)
+        wall = time.time() - t0
+        agents = cluster.results()
+    finally:
+        stop_killer.set()
+        cluster.stop()
+    try:
+        client = ShardingClient(svc.url, rank=0)
+        status, history = client.status(), client.metrics()["history"]
+    finally:
+        svc.stop()
+    seen = None
+    files = glob.glob(str(out / "run" / "final" / "*.safetensors"))
+    if files:
+        from safetensors.torch import load_file
+
+        seen = load_file(files[0])["seen"].tolist()
+    return ElasticResult(agents, seen, read_reports(out / "run"), status, events, wall, finished, history)
+
+
+def _join_after_eviction(svc, cluster, nodes: list, events: list[str], stop: threading.Event,
+                         joined: threading.Event) -> None:
+    from antdt_callbacks import ShardingClient
+    from antdt_callbacks.config import AgentConfig
+
+    client = ShardingClient(svc.url, rank=0, config=AgentConfig(url=svc.url, retry_timeout_s=5))
+    while not stop.is_set():
+        try:
+            st = client.status()
+            black = set(st.get("blacklist", {}))
+            if black and st.get("nodes") and not black & set(st["nodes"]):
+                break
+        except Exception:  # noqa: BLE001 - the service may be restarting
+            pass
+        time.sleep(0.05)
+    else:
+        return
+    # The evicted node is out of the job; its core is handed to what starts next (on two cores a spare has to reuse
+    # one), so its co-tenants go with it.
+    for node in cluster.nodes:
+        if node.name in black and node.tenants is not None:
+            node.tenants.stop()
+    for node in nodes:
+        cluster.start_agent(node)
+        events.append(f"agent of {node.name} started after the eviction of {sorted(black)}")
+    joined.set()
+
+
+def _kill_service_on_eviction(svc, down_s: float, events: list[str], stop: threading.Event) -> None:
+    from antdt_callbacks import ShardingClient
+    from antdt_callbacks.config import AgentConfig
+
+    client = ShardingClient(svc.url, rank=0, config=AgentConfig(url=svc.url, retry_timeout_s=5))
+    while not stop.is_set():
+        try:
+            if client.status().get("blacklist"):
+                break
+        except Exception:  # noqa: BLE001 - keep polling until stopped
+            pass
+        time.sleep(0.05)
+    else:
+        events.append("service kill skipped: no eviction")
+        return
+    svc.kill()
+    events.append("service SIGKILLed once a node was blacklisted (re-formation under way)")
+    time.sleep(down_s)
+    svc.start()
+    events.append(f"service restarted on {svc.url}")
 
 
 def _kill_service_when(svc, samples: int, down_s: float, events: list[str], proc, timeout_s: float) -> None:

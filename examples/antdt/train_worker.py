@@ -3,7 +3,9 @@
 The model is a tiny regression plus a ``seen`` parameter with one entry per sample id, built so that every SGD step
 adds exactly 1 to ``seen[id]`` for each sample the *global* step consumed, through the weighted gradient
 all-reduce. The committed (saved) model therefore records how often each sample contributed to it: the fault tests
-check ``seen == num_epochs`` everywhere. Faults and slowdowns are injected from the command line:
+check ``seen == num_epochs`` everywhere. Faults and slowdowns are injected from the command line (``--slow`` is
+tied to a rank and an incarnation, so a restart cures it; a slow *node*, which stays slow whatever runs on it, is a
+co-tenant on the node's core started by `elastic_cluster`, slowing the CPU work of ``--step-work``/``--sample-work``):
 
     torchrun --standalone --nproc-per-node 2 --max-restarts 1 examples/antdt/train_worker.py \
         --url http://127.0.0.1:PORT --out /tmp/run --dataset-size 203 --save-steps 4 \
@@ -30,6 +32,15 @@ from transformers.trainer_utils import get_last_checkpoint
 from antdt_callbacks import AgentConfig, AntDTAgent, AntDTTrainerMixin, init_distributed
 
 STATE = {"step": 0}
+_UNIT = torch.randn(96, 96, generator=torch.Generator().manual_seed(1)) / 10
+
+
+def burn(units: int) -> None:
+    """Real CPU work (``units`` 96x96 matmuls): unlike the injected sleep it is slowed by a co-tenant on the node's
+    core, so a node's slowness reaches every process on it, a restarted worker included."""
+    a = _UNIT
+    for _ in range(int(units)):
+        a = torch.tanh(a @ _UNIT)
 
 
 def parse_spec(spec: str | None) -> dict[str, float]:
@@ -55,8 +66,10 @@ class ToyData(torch.utils.data.Dataset):
 class CountingRegressor(nn.Module):
     """Linear regression + a per-sample counter trained to +1 per global consumption (see the module docstring)."""
 
-    def __init__(self, n: int, dim: int, lr: float, sample_cost_s: float, slow: dict[str, float]):
+    def __init__(self, n: int, dim: int, lr: float, sample_cost_s: float, slow: dict[str, float],
+                 step_work: int = 0, sample_work: int = 0):
         super().__init__()
+        self.step_work, self.sample_work = step_work, sample_work
         self.lin = nn.Linear(dim, 1)
         self.seen = nn.Parameter(torch.zeros(n))
         self.lr = lr
@@ -78,6 +91,9 @@ class CountingRegressor(nn.Module):
     def forward(self, x, y, sample_id):
         if self.sample_cost_s > 0:
             time.sleep(self.sample_cost_s * len(x) * self._factor())  # injected per-sample compute (no CPU used)
+        if self.step_work or self.sample_work:
+            # CPU work: a part per step whatever the batch (a rank with a dummy batch pays it too) and a part per sample
+            burn(self.step_work + self.sample_work * len(x))
         pred = self.lin(x).squeeze(-1)
         # The counter term: local mean over this rank's batch, times sum_j b_j / lr, so that the weighted all-reduce
         # (w_i = b_i / sum_j b_j) gives each consumed sample a gradient of exactly -1/lr, i.e. an SGD step of +1.
@@ -148,9 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-steps", type=int, default=100000)
     ap.add_argument("--save-steps", type=int, default=0, help="checkpoint period (0 = none)")
     ap.add_argument("--sample-cost-s", type=float, default=0.0)
+    ap.add_argument("--step-work", type=int, default=0, help="CPU work units per step (any batch size)")
+    ap.add_argument("--sample-work", type=int, default=0, help="CPU work units per sample")
     ap.add_argument("--slow", default=None, help="rank=R:factor=F[:from_step=A:to_step=B:incarnation=I]")
     ap.add_argument("--fault", default=None, help="kill|stop:rank=R:step=S[:incarnation=I:seconds=T]")
     ap.add_argument("--ack-period-s", type=float, default=None, help="AgentConfig.ack_period_s (default: its own)")
+    ap.add_argument("--pg-timeout-s", type=float, default=300.0, help="process group / collective timeout")
     ap.add_argument("--mode", choices=["antdt", "plain"], default="antdt")
     ap.add_argument("--batch-size", type=int, default=8, help="plain mode: per-device batch")
     ap.add_argument("--micro-cap", default=None, help="rank=R:size=S: memory cap (micro-batch size) of rank R")
@@ -159,11 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
     torch.set_num_threads(1)
-    init_distributed("gloo", timeout_s=300)
+    init_distributed("gloo", timeout_s=a.pg_timeout_s)
     torch.manual_seed(0)
     out = Path(a.out)
     data = ToyData(a.dataset_size, a.dim)
-    model = CountingRegressor(a.dataset_size, a.dim, a.lr, a.sample_cost_s, parse_spec(a.slow))
+    model = CountingRegressor(a.dataset_size, a.dim, a.lr, a.sample_cost_s, parse_spec(a.slow), a.step_work,
+                              a.sample_work)
     targs = TrainingArguments(
         output_dir=str(out), max_steps=a.max_steps, learning_rate=a.lr, optim="sgd", lr_scheduler_type="constant",
         weight_decay=0.0, max_grad_norm=0.0, per_device_train_batch_size=a.batch_size, report_to="none",
@@ -195,7 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.time() - t0
     rank = int(os.environ.get("RANK", 0))
     inc = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    report = {"rank": rank, "incarnation": inc, "global_step": trainer.state.global_step, "wall_s": wall,
+    from antdt_callbacks import node_id
+
+    report = {"rank": rank, "incarnation": inc, "node": node_id(), "world_size": int(os.environ.get("WORLD_SIZE", 1)),
+              "global_step": trainer.state.global_step, "wall_s": wall,
               "resumed_from": last, "step_times": clock.times, "step_cpu": clock.cpu}
     if a.mode == "antdt":
         ag = trainer.antdt_agent

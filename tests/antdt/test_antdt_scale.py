@@ -71,13 +71,21 @@ def _random_requests(seed: int, n: int):
             inc[r] += 1
             held[r] = []
             req = {"op": "register", "rank": r, "incarnation": inc[r]}
-        elif roll < 0.995:
+        elif roll < 0.993:
             req = {"op": "commit", **me, "checkpoint_id": k + 1}
-        else:
+        elif roll < 0.997:
             req = {"op": "restore", **me, "checkpoint_id": 0}
+        else:  # the job re-forms (a new rendezvous round): a new generation, the Monitor rows replaced
+            req = {"op": "reform", "rank": 0, "world_size": JOB.world_size, "checkpoint_id": 0,
+                   "nodes": [f"n{i}" for i in range(JOB.world_size)]}
         reply = yield req, now
         op = req["op"]
-        if op == "restore" and reply:
+        if op == "reform" and reply:
+            held = {rr: [] for rr in held}
+            for rr in range(JOB.world_size):
+                inc[rr] = reply["generation"]
+                yield {"op": "register", "rank": rr, "incarnation": inc[rr], "node": f"n{rr}"}, now
+        if op in ("restore", "reform") and reply:
             held = {rr: [] for rr in held}  # every lease is revoked
         elif op in ("ack", "release") and not reply or op == "release":
             gone = {(i["epoch"], i["shard_id"]) for i in req["items"]}  # refused (fenced): drop them

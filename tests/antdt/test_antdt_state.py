@@ -6,6 +6,7 @@ import copy
 
 import numpy as np
 import pytest
+from _service_sim import ServiceSim
 
 from antdt_callbacks import (
     BadRequestError,
@@ -20,23 +21,13 @@ from antdt_callbacks import (
     proportional_split,
     restart_saving_s,
 )
-from antdt_callbacks._state import apply, decide, new_job_state, shard_sample_ids
+from antdt_callbacks._state import decide, new_job_state, shard_sample_ids
 from antdt_callbacks.controller import initial_control_state, monitor_observe
 
 
-class Svc:
-    """decide -> apply, the way the server does it (minus SQLite), with a controllable clock."""
-
+class Svc(ServiceSim):
     def __init__(self, **job):
-        self.st = new_job_state(JobConfig(**job), MonitorConfig(), ControllerConfig())
-        self.now = 1000.0
-        self.n = 0
-
-    def __call__(self, op: str, **req):
-        self.n += 1
-        d = decide(self.st, {"op": op, **req}, self.now)
-        apply(self.st, d)
-        return d.reply
+        super().__init__(JobConfig(**job), MonitorConfig(), ControllerConfig())
 
     def lease(self, rank: int, inc: int = 0):
         return self("lease", rank=rank, incarnation=inc, request_id=f"r{self.n}")
