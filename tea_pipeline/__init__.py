@@ -14,7 +14,7 @@ from .kernels import native_kernels
 from .propagation import TripleLayout, aspect_features, l2n, propagate, seed_labels, triple_layout, triple_view
 from .similarity import TemporalSimilarity, TopK, blocked_topk
 from .sinkhorn import dense_sinkhorn, sparse_sinkhorn
-from .synthetic import make_synthetic_pair
+from .synthetic import make_scaled_pair, make_synthetic_pair
 
 __all__ = [
     "AlignmentResult",
@@ -33,6 +33,7 @@ __all__ = [
     "dense_sinkhorn",
     "l2n",
     "load_tkg_pair",
+    "make_scaled_pair",
     "make_synthetic_pair",
     "native_kernels",
     "propagate",

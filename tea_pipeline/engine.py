@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .ann import faiss_available, ivf_topk
 from .config import LightTEAConfig
 from .data import TKGPair
 from .graph import build_graph, time_counts
@@ -113,6 +114,7 @@ class LightTEA:
         self.timings: dict[str, float] = defaultdict(float)
         self._bar = None
         self._round = 0
+        self.current_stage: str | None = None  # the stage running now (read by memory samplers in benchmarks)
 
     # --------------------------------------------------------------------------------------------------------
     @contextmanager
@@ -120,12 +122,14 @@ class LightTEA:
         if self._bar is not None:
             self._bar.set_description(f"LightTEA round {self._round}: {name}")
         start = time.perf_counter()
+        self.current_stage = name
         try:
             yield
         finally:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             self.timings[name] += time.perf_counter() - start
+            self.current_stage = None
 
     def resolve_device(self) -> torch.device:
         want = self.config.device
@@ -142,6 +146,26 @@ class LightTEA:
         # The reference keys on '"ICEWS" in dataset': d//2 there, d//3 for YAGO-WIKI. ICEWS is the data set whose
         # time id 0 is a real day rather than "unknown".
         return self.config.dim // 2 if pair.detected_unknown_time_id is None else self.config.dim // 3
+
+    def candidate_search(self, n_test: int) -> str:
+        """``"exact"`` or ``"faiss"``: the search a run over ``n_test`` test pairs uses (see
+        `LightTEAConfig.candidate_search`). ``"auto"`` takes faiss from ``faiss_min_rows`` on when it imports."""
+        cfg = self.config
+        if cfg.reference_compat or cfg.candidate_search == "exact":
+            return "exact"
+        if cfg.candidate_search == "faiss":
+            if not faiss_available():
+                raise ImportError("LightTEAConfig.candidate_search='faiss' but faiss is not installed: pip install "
+                                  "'hf-scale-plugins[scale]' (or faiss-cpu), or use candidate_search='auto'.")
+            return "faiss"
+        if n_test < cfg.faiss_min_rows:
+            return "exact"
+        if not faiss_available():
+            logger.warning("%d test pairs: above faiss_min_rows=%d the faiss search would be used, but faiss is not "
+                           "installed (pip install 'hf-scale-plugins[scale]'); using the exact PyTorch search.",
+                           n_test, cfg.faiss_min_rows)
+            return "exact"
+        return "faiss"
 
     def unknown_time_id(self, pair: TKGPair) -> int | None:
         if self.config.reference_compat:
@@ -172,6 +196,7 @@ class LightTEA:
         test = torch.from_numpy(pair.test).to(device)
         test_left, test_right = test[:, 0], test[:, 1]
         n_test = len(test)
+        search_kind = self.candidate_search(n_test)
         rows = torch.cat([test_left, test_right])
         with self._stage("graph", device):
             # which tuples feed which output row depends on the graph only: laid out once for all rounds
@@ -230,6 +255,11 @@ class LightTEA:
                 stream = _stream(cfg.seed, rnd, 4)
 
                 def search(lhs, rhs, k, masked_rows, allowed_cols, mk, subspace=subspace, stream=stream):
+                    if search_kind == "faiss":
+                        return ivf_topk(lhs, rhs, k, cfg.block_rows, cfg.candidate_dim if subspace else None,
+                                        cfg.rescore_top if subspace else 0, stream, masked_rows, allowed_cols, mk,
+                                        matmul_dtype=low if subspace else None, nlist=cfg.faiss_nlist,
+                                        nprobe=cfg.faiss_nprobe)
                     if not subspace:
                         return blocked_topk(lhs, rhs, k, cfg.block_rows, masked_rows, allowed_cols, mk)
                     return lowrank_topk(lhs, rhs, k, cfg.block_rows, cfg.candidate_dim, cfg.rescore_top, stream,
@@ -241,7 +271,7 @@ class LightTEA:
                 if unmasked and not last:
                     masked = full
             check = None
-            if cfg.candidate_check_rows and subspace:
+            if cfg.candidate_check_rows and (subspace or search_kind == "faiss"):
                 with self._stage("candidate_check", device):
                     pick = torch.randperm(n_test, generator=torch.Generator().manual_seed(cfg.seed + rnd)).to(device)
                     if active is not None:  # rows without facts have placeholder candidates, nothing to check
@@ -291,7 +321,7 @@ class LightTEA:
             truth=pair.test.copy(),
             pseudo_seeds=np.concatenate(pseudo_all) if pseudo_all else np.zeros((0, 2), dtype=np.int64),
             timings={k: round(v, 4) for k, v in self.timings.items()},
-            config=cfg.to_dict() | {"aspect_dim_used": aspect_dim,
+            config=cfg.to_dict() | {"aspect_dim_used": aspect_dim, "candidate_search_used": search_kind,
                                     "unknown_time_id_used": self.unknown_time_id(pair)},
             device=str(device),
             data_summary=pair.summary(),

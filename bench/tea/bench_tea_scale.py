@@ -1,0 +1,217 @@
+"""LightTEA at 1x, 2x, 4x and 10x the size of YAGO-WIKI50K on synthetic pairs (issue 20, "Scale").
+
+Each (size, search) run is a fresh process: it builds `tea_pipeline.synthetic.make_scaled_pair(scale)` (entities,
+facts, time stamps and seeds in YAGO-WIKI50K's proportions, alignment known) and aligns it with the default
+`LightTEAConfig` except for ``candidate_search``. A sampler thread reads the process's RSS every 20 ms and keeps the
+peak per engine stage (`LightTEA.current_stage`); the run also records per-stage seconds, the whole wall time
+(generation + alignment; interpreter start and imports are reported separately), H@1/H@10/MRR and the search used.
+
+The main series runs ``--search`` (default ``auto``: faiss from ``faiss_min_rows`` test pairs on, exact below). At
+``--exact-sizes`` the scalable search (``--scalable-search``, default faiss) and the exact one
+(``candidate_search="exact"``, the quadratic PyTorch search) are both run, and ``h1_gap_vs_exact`` is the largest
+(exact H@1 - scalable H@1) over them. ``time_exponent`` is the least-squares slope
+of log(wall) against log(entities) over the scalable runs from 2x to 10x (over every size that ran when fewer than two
+of those did: see ``time_exponent_sizes``). Writes ``bench/results/tea_scale.json`` with a ``summary`` object.
+
+    python bench/tea/bench_tea_scale.py --sizes 1,2,4,10 --exact-sizes 1,2
+    python bench/tea/bench_tea_scale.py --sizes 2 --exact-sizes "" --merge    # add a size to the existing file
+    python bench/tea/bench_tea_scale.py --sizes "" --exact-sizes "" --merge   # recompute the summary only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import resource
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+T_START = time.perf_counter()
+ROOT = Path(__file__).resolve().parents[2]
+RESULT = ROOT / "bench" / "results" / "tea_scale.json"
+TARGET_SIZES = (1.0, 2.0, 4.0, 10.0)  # issue 20's sizes; the summary lists those without a run in not_run
+FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8", "avx512_vnni")
+
+
+def rss_gb() -> float:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+def cpu_info() -> dict:
+    model, flags = platform.processor(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and not model.strip():
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return {"model": model, "cores": os.cpu_count(), "flags": {f: f in flags for f in FLAGS},
+            "bf16_units": "avx512_bf16" in flags or "amx_bf16" in flags, "amx": "amx_tile" in flags}
+
+
+def child(scale: float, search: str, seed: int, rounds: int, nprobe: int | None) -> dict:
+    """One run in this process; returns its record."""
+    t_import = time.perf_counter()
+    import torch
+
+    from tea_pipeline import LightTEA, LightTEAConfig
+    from tea_pipeline.synthetic import make_scaled_pair
+
+    imports_s = time.perf_counter() - t_import
+    peaks: dict[str, float] = {}
+    state = {"stage": "generate", "stop": False}
+
+    def sample() -> None:
+        while not state["stop"]:
+            stage = state["stage"] if state["stage"] != "fit" else (model.current_stage or "other")
+            peaks[stage] = max(peaks.get(stage, 0.0), rss_gb())
+            time.sleep(0.02)
+
+    model = None
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    t0 = time.perf_counter()
+    pair = make_scaled_pair(scale, seed=seed)
+    gen_s = time.perf_counter() - t0
+    kw = {"candidate_search": search, "rounds": rounds}
+    if nprobe is not None:
+        kw["faiss_nprobe"] = nprobe
+    model = LightTEA(LightTEAConfig(**kw))
+    state["stage"] = "fit"
+    t1 = time.perf_counter()
+    result = model.fit(pair)
+    fit_s = time.perf_counter() - t1
+    state["stop"] = True
+    sampler.join()
+    return {
+        "scale": scale, "search": result.config["candidate_search_used"], "requested_search": search,
+        "data": pair.summary(), "entities": pair.num_entities,
+        "wall_s": round(gen_s + fit_s, 2), "generate_s": round(gen_s, 2), "fit_s": round(fit_s, 2),
+        "imports_s": round(imports_s, 2), "process_s": round(time.perf_counter() - T_START, 2),
+        "stage_s": result.timings, "stage_peak_rss_gb": {k: round(v, 3) for k, v in peaks.items()},
+        "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
+        "final": result.final, "rounds": [r.as_dict() for r in result.rounds],
+        "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "faiss_nprobe": result.config["faiss_nprobe"],
+    }
+
+
+def fit_exponent(runs: list[dict], lo: float, hi: float) -> tuple[float | None, list[float]]:
+    pts = [(math.log(r["entities"]), math.log(r["wall_s"])) for r in runs if lo <= r["scale"] <= hi]
+    if len(pts) < 2:
+        return None, []
+    mx, my = sum(p[0] for p in pts) / len(pts), sum(p[1] for p in pts) / len(pts)
+    slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+    return round(slope, 3), sorted(r["scale"] for r in runs if lo <= r["scale"] <= hi)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1,2,4,10", help="Multiples of YAGO-WIKI50K run with the scalable search.")
+    ap.add_argument("--exact-sizes", default="1,2", help="Sizes also run with the exact search (h1 gap).")
+    ap.add_argument("--search", default="auto", help="candidate_search of the scalable runs (auto: faiss above "
+                                                     "faiss_min_rows test pairs).")
+    ap.add_argument("--scalable-search", default="faiss", help="candidate_search of the scalable runs at sizes "
+                                                               "where they are compared with the exact one.")
+    ap.add_argument("--nprobe", type=int, default=None, help="faiss_nprobe (default: the config's).")
+    ap.add_argument("--faiss-min-rows", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=3600, help="Seconds per run before it is abandoned.")
+    ap.add_argument("--out", default=str(RESULT))
+    ap.add_argument("--merge", action="store_true", help="Keep runs of the existing output not re-run now.")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.faiss_min_rows is None:
+        from tea_pipeline import LightTEAConfig
+
+        args.faiss_min_rows = LightTEAConfig().faiss_min_rows
+    if args.child:
+        scale, search = args.child.split(":")
+        print("RESULT " + json.dumps(child(float(scale), search, args.seed, args.rounds, args.nprobe)), flush=True)
+        return
+    sizes = [float(s) for s in args.sizes.split(",") if s]
+    exact_sizes = [float(s) for s in args.exact_sizes.split(",") if s]
+    plan = [(s, args.search) for s in sizes]
+    for s in exact_sizes:  # the scalable search against the exact one at the sizes where the exact one fits
+        plan += [(s, args.scalable_search), (s, "exact")]
+    plan = list(dict.fromkeys(plan))
+    out = Path(args.out)
+    runs: list[dict] = []
+    if args.merge and out.exists():
+        runs = [r for r in json.loads(out.read_text()).get("runs", [])
+                if (r["scale"], r["requested_search"]) not in set(plan)]
+    for scale, search in plan:
+        cmd = [sys.executable, __file__, "--child", f"{scale}:{search}", "--seed", str(args.seed),
+               "--rounds", str(args.rounds)] + (["--nprobe", str(args.nprobe)] if args.nprobe else [])
+        t = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
+        except subprocess.TimeoutExpired:
+            print(f"{scale:g}x {search}: abandoned after {args.timeout:.0f} s", flush=True)
+            runs.append({"scale": scale, "requested_search": search, "error": f"timeout {args.timeout:.0f} s"})
+            continue
+        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if line is None:
+            print(f"{scale:g}x {search}: failed (rc {proc.returncode})\n{proc.stderr[-2000:]}", flush=True)
+            runs.append({"scale": scale, "requested_search": search, "error": proc.stderr[-500:],
+                         "returncode": proc.returncode})
+            continue
+        rec = json.loads(line[7:])
+        rec["process_wall_s"] = round(time.perf_counter() - t, 2)
+        runs.append(rec)
+        print(f"{scale:g}x {rec['search']:5s} entities {rec['entities']:>9,d} wall {rec['wall_s']:8.1f} s "
+              f"peak {rec['peak_rss_gb']:6.2f} GB H@1 {rec['final']['hits@1']:.4f}", flush=True)
+    ok = [r for r in runs if "error" not in r]
+    exact = {r["scale"]: r for r in ok if r["requested_search"] == "exact"}
+    compared = {r["scale"]: r for r in ok if r["requested_search"] == args.scalable_search}
+    gaps = {f"{s:g}x": round(exact[s]["final"]["hits@1"] - compared[s]["final"]["hits@1"], 4)
+            for s in exact if s in compared and compared[s]["search"] != "exact"}
+    # The series of the summary: the `--search` runs; where that is "auto" and auto resolves to the exact search
+    # (below faiss_min_rows) the exact run stands for it (the same computation).
+    scalable = {r["scale"]: r for r in ok if r["requested_search"] == "exact"} if args.search == "auto" else {}
+    scalable = {s: r for s, r in scalable.items() if r["data"]["test"] < args.faiss_min_rows}
+    scalable.update({r["scale"]: r for r in ok if r["requested_search"] == args.search})
+    exponent, exp_sizes = fit_exponent(list(scalable.values()), 2, 10)
+    if exponent is None:  # not enough of 2x..10x ran: fit over what did, and say so in time_exponent_sizes
+        exponent, exp_sizes = fit_exponent(list(scalable.values()), 0, math.inf)
+    order = sorted(scalable)
+    summary = {
+        "sizes": [f"{s:g}x" for s in order],
+        "entities": [scalable[s]["entities"] for s in order],
+        "search": [scalable[s]["search"] for s in order],
+        "wall_s": [scalable[s]["wall_s"] for s in order],
+        "peak_rss_gb": [scalable[s]["peak_rss_gb"] for s in order],
+        "hits@1": [round(scalable[s]["final"]["hits@1"], 4) for s in order],
+        "time_exponent": exponent,
+        "time_exponent_sizes": [f"{s:g}x" for s in exp_sizes],
+        "h1_gap_vs_exact": max(gaps.values()) if gaps else None,
+        "h1_gap_by_size": gaps,
+        "not_run": [f"{s:g}x" for s in sorted(set(sizes) | set(TARGET_SIZES)) if s not in scalable],
+    }
+    doc = {"benchmark": "tea_scale", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "machine": {"cpu": cpu_info(), "python": platform.python_version(),
+                       "load_average": os.getloadavg(), "memory_gb": round(os.sysconf("SC_PHYS_PAGES")
+                                                                           * os.sysconf("SC_PAGE_SIZE") / 2**30, 1)},
+           "config": {"rounds": args.rounds, "seed": args.seed, "search": args.search, "nprobe": args.nprobe,
+                      "proportions": "YAGO-WIKI50K: entities 49,629 / 49,222, relations 11 / 30, times 245, facts "
+                                     "221,050 / 317,814 (TEA-GNN Table 1), pairs 49,172, seeds 5,000"},
+           "summary": summary, "runs": runs}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
