@@ -18,11 +18,6 @@
 // topk_rows: the k largest entries of every row, sorted (value descending, then column ascending).
 //   A strided sample of the row gives a threshold that at least k entries reach (checked; if not, the whole row
 //   is selected exactly), so only the few entries above it are selected and sorted instead of the whole row.
-//
-// The arithmetic kernels run with denormals flushed to zero (FlushDenormals): products of subnormal floats take a
-// microcode assist of ~100 cycles on x86, and the triple view's inputs can hold them (bench/tea/README.md); values
-// below 1.2e-38 change nothing that the row normalisations after these kernels keep. topk_rows only compares, and
-// compares exactly.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -32,28 +27,12 @@
 #include <utility>
 #include <vector>
 
-#if defined(__SSE2__)
-#include <xmmintrin.h>
-#endif
-
 #if defined(__F16C__) && defined(__FMA__) && defined(__AVX__)
 #include <immintrin.h>
 #define TEA_HAVE_F16C 1
 #endif
 
 namespace {
-
-// FTZ + DAZ on this thread while the guard lives; the caller's MXCSR is restored on exit.
-class FlushDenormals {
- public:
-#if defined(__SSE2__)
-  FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040u); }
-  ~FlushDenormals() { _mm_setcsr(saved_); }
-
- private:
-  unsigned int saved_;
-#endif
-};
 
 void check_matrix(const torch::Tensor& t, const char* name, at::ScalarType dtype) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
@@ -91,7 +70,6 @@ torch::Tensor weighted_segment_sum(torch::Tensor crow, torch::Tensor col, torch:
   float* out_p = out.data_ptr<float>();
   const int64_t ws = w.stride(0), zs = z.stride(0), os = out.stride(0), width = d * m;
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    FlushDenormals flush;
     for (int64_t h = begin; h < end; ++h) {
       float* o = out_p + h * os;
       std::memset(o, 0, sizeof(float) * width);
@@ -178,7 +156,6 @@ torch::Tensor gathered_dot(torch::Tensor left, torch::Tensor right, torch::Tenso
   const float* rf = half ? nullptr : right.data_ptr<float>();
   const at::Half* rh = half ? right.data_ptr<at::Half>() : nullptr;
   at::parallel_for(0, r, 8, [&](int64_t begin, int64_t end) {
-    FlushDenormals flush;
     for (int64_t i = begin; i < end; ++i) {
       const float* a = l_p + (rows_p ? rows_p[i] : i) * ls;
       for (int64_t c = 0; c < k; ++c) {
@@ -274,7 +251,6 @@ void sinkhorn_(torch::Tensor m, torch::Tensor index, int64_t num_cols, int64_t i
   auto pass = [&](bool divide, bool accumulate) {
     std::fill(partial.begin(), partial.end(), 0.f);
     at::parallel_for(0, r, 256, [&](int64_t begin, int64_t end) {
-      FlushDenormals flush;
       float* acc = partial.data() + static_cast<size_t>(at::get_thread_num()) * num_cols;
       for (int64_t i = begin; i < end; ++i) {
         float* row = m_p + i * k;
@@ -337,7 +313,6 @@ torch::Tensor dice_candidates(torch::Tensor crow, torch::Tensor col, torch::Tens
   const int64_t ds = right_dense.stride(0);
   float* out_p = out.data_ptr<float>();
   at::parallel_for(0, r, 64, [&](int64_t begin, int64_t end) {
-    FlushDenormals flush;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t e = left_p[i], lo = crow_p[e], hi = crow_p[e + 1];
       for (int64_t c = 0; c < k; ++c) {
