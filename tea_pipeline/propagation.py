@@ -132,7 +132,8 @@ def triple_view(graph: TKGGraph, aspect: AspectGraph, e_bar: torch.Tensor, x_cat
     ``first_hop = (A_ee, E0)``, the adjacency and seed labels `propagate` started from (with ``label_dim``): the
     second block of ``E_bar`` is the normalised ``A_ee E0``, and ``E0`` is zero outside the labelled rows, so its
     share of ``Z`` is computed as ``A_ee (E0 P)`` over the labelled rows (`first_hop_matrix`) instead of as a
-    dense product over every tail. It pays while the labelled rows are fewer than the tails (early rounds).
+    dense product over every tail. It pays while the labelled rows are fewer than the tails (early rounds) and the
+    products run in fp32.
     """
     width = e_bar.shape[1]
     device = e_bar.device
@@ -150,7 +151,8 @@ def triple_view(graph: TKGGraph, aspect: AspectGraph, e_bar: torch.Tensor, x_cat
             e_labels = e_tails[nz, :label_dim].contiguous()
             e_tails = e_tails[:, label_dim:].contiguous()
     hop = None
-    if sparse_rows is not None and first_hop is not None and width >= 2 * label_dim:
+    # Only for fp32 products: where they run in bf16 on bf16 units the dense product is cheaper than the sparse one.
+    if sparse_rows is not None and first_hop is not None and width >= 2 * label_dim and matmul_dtype == e_tails.dtype:
         hop = first_hop_matrix(first_hop[0], first_hop[1], layout.tails, e_bar[layout.tails, label_dim:2 * label_dim])
         if hop is not None:
             hop_matrix, hop_rows = hop
