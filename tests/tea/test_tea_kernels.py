@@ -172,7 +172,10 @@ def test_native_kernels_reports_the_path():
 @pytest.mark.slow
 def test_alignment_is_the_same_without_native_kernels(native, tmp_path):
     """The fallback forced in a whole run: same predictions and metrics up to ties of fp32 rounding."""
-    cfg = {"dim": 96, "top_k": 40, "aspect_dim": 8, "mini_dim": 4, "candidate_dim": 24, "rounds": 2}
+    # fp32 products: this test is about the kernels. With bf16 products ("auto" on a CPU with bf16 units) the two
+    # paths agreed on only 90.5% of this small pair's predictions on an AMX host, a gap not yet explained.
+    cfg = {"dim": 96, "top_k": 40, "aspect_dim": 8, "mini_dim": 4, "candidate_dim": 24, "rounds": 2,
+           "matmul_precision": "float32"}
     pair = make_synthetic_pair(num_entities=500, num_times=30, seed=5)
     here = LightTEA(LightTEAConfig(**cfg)).fit(pair)
     code = (
