@@ -13,16 +13,21 @@ When it acts (hook order of transformers 5, one optimizer step):
   request, off the step's critical path, and adopts a new plan from the reply (it applies from the next fetch).
   Stop training at the last batch; before a checkpoint, flush acks, barrier, and rank 0 commits the service snapshot
   under the checkpoint's global step.
-- ``on_save``: after a checkpoint requested for a kill-and-restart or an eviction, exit with `EXIT_RESTART` so
-  ``torchrun --max-restarts`` restarts the group (with ``--nnodes MIN:MAX`` it re-forms through the elastic
-  rendezvous), which resumes from that checkpoint; the ranks of an evicted node stop their agent instead
-  (`leave_node`), so the job re-forms without it.
+- SIGTERM (``AgentConfig.checkpoint_on_sigterm``): torchrun's agent stops its workers with SIGTERM when the job
+  re-forms (a node joins or leaves) or when it is stopped itself, and SIGKILLs them 30 s later. The handler only
+  marks the rank preempted; the mark rides the next batch's stop-together all-reduce like a plan's restart request,
+  so every rank checkpoints at the same step and exits, and the re-formed job resumes from that step.
+- ``on_save``: after a checkpoint requested for a kill-and-restart, an eviction or a SIGTERM, exit with
+  `EXIT_RESTART` so ``torchrun --max-restarts`` restarts the group (with ``--nnodes MIN:MAX`` it re-forms
+  through the elastic rendezvous), which resumes from that checkpoint; the ranks of an evicted node stop their
+  agent instead (`leave_node`), so the job re-forms without it.
 """
 
 from __future__ import annotations
 
 import os
 import queue
+import signal
 import threading
 import time
 
@@ -79,6 +84,8 @@ class AntDTAgent(TrainerCallback, ExportableState):
         self._error: BaseException | None = None
         self._exit_after_save = False
         self._last_end: float | None = None
+        self._prev_sigterm: object = None
+        self._sigterm_installed = False
 
     def state(self) -> dict:
         cfg = self.config.to_dict()
@@ -167,7 +174,30 @@ class AntDTAgent(TrainerCallback, ExportableState):
         self.plan_version = ds.plan_version
         self._sender = threading.Thread(target=self._send_loop, name="antdt-acks", daemon=True)
         self._sender.start()
+        self._install_sigterm()
         self._last_end = time.perf_counter()
+
+    def _install_sigterm(self) -> None:
+        if not self.config.checkpoint_on_sigterm or threading.current_thread() is not threading.main_thread():
+            return
+        self._prev_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._sigterm_installed = True
+
+    def _restore_sigterm(self) -> None:
+        if self._sigterm_installed:
+            signal.signal(signal.SIGTERM, self._prev_sigterm if self._prev_sigterm is not None else signal.SIG_DFL)
+            self._sigterm_installed = False
+
+    def _on_sigterm(self, signum, frame) -> None:
+        ds = self.dataset
+        if ds is None or ds.preempted or self._exit_after_save:
+            # a second SIGTERM, or one while this rank is already leaving: what it would have done without us
+            self._restore_sigterm()
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        ds.preempted = True
+        logger.warning("antdt rank %d: SIGTERM (torchrun re-forming or stopping the job): every rank checkpoints at "
+                       "the next common step, then this worker exits", ds.rank)
 
     def _join_round(self, ds: ServiceIterableDataset, checkpoint_id: int) -> None:
         """Re-form the job in the service for this rendezvous round and register under its generation."""
@@ -252,6 +282,7 @@ class AntDTAgent(TrainerCallback, ExportableState):
 
     def on_save(self, args, state, control, **kwargs):
         if self._exit_after_save:
+            self._restore_sigterm()  # from here a SIGTERM (our agent stopping us) must end the process
             _barrier()
             ds = self.dataset
             plan = Plan.from_dict(ds.client.plan()["plan"]) if ds is not None else None
@@ -259,11 +290,13 @@ class AntDTAgent(TrainerCallback, ExportableState):
                 logger.warning("antdt rank %d: checkpoint %d written; node %s is evicted: stopping its agent",
                                ds.rank, state.global_step, node_id())
                 leave_node(EXIT_EVICTED)
-            logger.warning("antdt rank %s: checkpoint %d written; exiting with code %d for a kill-and-restart",
-                           os.environ.get("RANK", "0"), state.global_step, EXIT_RESTART)
+            why = "after SIGTERM" if ds is not None and ds.preempted else "for a kill-and-restart"
+            logger.warning("antdt rank %s: checkpoint %d written; exiting with code %d %s",
+                           os.environ.get("RANK", "0"), state.global_step, EXIT_RESTART, why)
             os._exit(EXIT_RESTART)
 
     def on_train_end(self, args, state, control, **kwargs):
+        self._restore_sigterm()
         if self.dataset is None:
             return
         try:

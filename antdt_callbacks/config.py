@@ -255,6 +255,12 @@ class AgentConfig(_DictMixin):
             Python work and now and then stalls a step; on a beat of its own the sender keeps those stalls rare and
             short (figures in bench/antdt/README.md). Acks (and plan changes) arrive at most one period plus one
             round trip late; checkpoints flush at once. 0 wakes the sender from every step.
+        checkpoint_on_sigterm (`bool`, *optional*, defaults to `True`): on SIGTERM, every rank checkpoints at one
+            step and then exits, instead of dying mid-step. torchrun's agent sends SIGTERM to its workers when the
+            job re-forms (a node joins or leaves the rendezvous) or when the agent itself is stopped (a scheduler's
+            preemption), and waits 30 s before SIGKILL; without this the re-formed job resumes from the last
+            periodic checkpoint and redoes the steps since. A second SIGTERM, or one after the checkpoint, exits at
+            once.
     """
 
     url: str | None = field(default=None, metadata={"help": "Service URL (default: $ANTDT_SERVICE_URL)."})
@@ -268,6 +274,8 @@ class AgentConfig(_DictMixin):
     wait_poll_s: float = field(default=0.05, metadata={"help": "Poll period while the service says WAIT."})
     stop_timeout_s: float = field(default=600.0, metadata={"help": "Longest joint wait for data."})
     ack_period_s: float = field(default=0.05, metadata={"help": "Ack sender beat (s); 0 = woken by every step."})
+    checkpoint_on_sigterm: bool = field(default=True, metadata={
+        "help": "On SIGTERM (torchrun re-forming or stopping the job), checkpoint every rank at one step, then exit."})
 
     def __post_init__(self) -> None:
         if self.url is None:

@@ -145,6 +145,7 @@ class ServiceIterableDataset(IterableDataset):
         self.batch_size = 0
         self.micro_cap: int | None = self.config.max_micro_batch
         self.restart_requested = False
+        self.preempted = False  # set by the Agent's SIGTERM handler; unlike a plan's request, no plan clears it
         self.node: str | None = None  # this worker's node (set by the Agent; sent with register)
         self.plan_version = -1
         self.current_meta: BatchMeta | None = None
@@ -379,7 +380,7 @@ class ServiceIterableDataset(IterableDataset):
         t0 = time.perf_counter()
         wait0 = self.wait_s
         ids, items, at_end = self._take(self.batch_size)
-        p = _Pending(ids, items, at_end, self.restart_requested)
+        p = _Pending(ids, items, at_end, self.restart_requested or self.preempted)
         if self.sync:
             p.tensor = torch.tensor([len(ids), int(at_end), int(p.restart)], dtype=torch.int64)
             p.work = dist.all_reduce(p.tensor, async_op=True)

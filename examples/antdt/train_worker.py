@@ -131,7 +131,8 @@ class StepClock(TrainerCallback):
 
 
 class FaultInjector(TrainerCallback):
-    """``kill`` (SIGKILL itself) or ``stop`` (SIGSTOP itself; a helper sends SIGCONT after ``seconds``) at a step."""
+    """``kill`` (SIGKILL itself), ``stop`` (SIGSTOP itself; a helper sends SIGCONT after ``seconds``) or ``term``
+    (SIGTERM itself, as torchrun's agent does to its workers when the job re-forms) at a step."""
 
     def __init__(self, spec: str | None):
         self.kind, _, rest = (spec or "").partition(":")
@@ -152,6 +153,8 @@ class FaultInjector(TrainerCallback):
         elif self.kind == "stop":
             subprocess.Popen(["sh", "-c", f"sleep {p.get('seconds', 5)}; kill -CONT {os.getpid()}"])
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif self.kind == "term":
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-work", type=int, default=0, help="CPU work units per step (any batch size)")
     ap.add_argument("--sample-work", type=int, default=0, help="CPU work units per sample")
     ap.add_argument("--slow", default=None, help="rank=R:factor=F[:from_step=A:to_step=B:incarnation=I]")
-    ap.add_argument("--fault", default=None, help="kill|stop:rank=R:step=S[:incarnation=I:seconds=T]")
+    ap.add_argument("--fault", default=None, help="kill|stop|term:rank=R:step=S[:incarnation=I:seconds=T]")
     ap.add_argument("--ack-period-s", type=float, default=None, help="AgentConfig.ack_period_s (default: its own)")
     ap.add_argument("--pg-timeout-s", type=float, default=300.0, help="process group / collective timeout")
     ap.add_argument("--mode", choices=["antdt", "plain"], default="antdt")

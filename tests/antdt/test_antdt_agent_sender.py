@@ -95,3 +95,36 @@ def test_negative_period_is_refused():
 
     with pytest.raises(ValueError, match="ack_period_s=-1"):
         AgentConfig(url="http://127.0.0.1:1", ack_period_s=-1)
+
+
+def test_sigterm_marks_the_rank_preempted_once_and_a_second_one_takes_the_default_action(monkeypatch):
+    import os
+    import signal
+
+    class _DS:
+        rank, preempted = 0, False
+
+    agent = AntDTAgent(AgentConfig(url="http://127.0.0.1:1"))
+    agent.dataset = _DS()
+    before = signal.getsignal(signal.SIGTERM)
+    agent._install_sigterm()
+    try:
+        assert signal.getsignal(signal.SIGTERM) == agent._on_sigterm
+        os.kill(os.getpid(), signal.SIGTERM)  # handled: only the mark
+        assert agent.dataset.preempted
+        sent = []
+        monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append((pid, sig)))
+        agent._on_sigterm(signal.SIGTERM, None)  # the second one: handler restored, the signal sent again
+        assert sent == [(os.getpid(), signal.SIGTERM)] and signal.getsignal(signal.SIGTERM) == before
+    finally:
+        agent._restore_sigterm()
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_sigterm_handling_can_be_switched_off():
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    agent = AntDTAgent(AgentConfig(url="http://127.0.0.1:1", checkpoint_on_sigterm=False))
+    agent._install_sigterm()
+    assert signal.getsignal(signal.SIGTERM) == before

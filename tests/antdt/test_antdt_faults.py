@@ -65,6 +65,26 @@ def test_worker_sigkill_under_torchrun_restart(tmp_path):
 
 
 @pytest.mark.timeout(600)
+def test_sigterm_checkpoints_every_rank_at_one_step_and_the_restart_resumes_there(tmp_path):
+    # What torchrun's agent does to its workers when the job re-forms: SIGTERM. Only rank 1 gets it here, and no
+    # periodic checkpoint exists, so the restarted group can only resume mid-run if both ranks checkpointed
+    # together right after the signal (rank 0 learns of it through the stop-together all-reduce).
+    res = run_job(tmp_path, 2, _job(), worker_args=["--fault", "term:rank=1:step=7"], max_restarts=1,
+                  timeout_s=540)
+    assert "[fault] rank 1 term at step 7" in res.log
+    assert "SIGTERM (torchrun re-forming or stopping the job)" in res.log, res.log[-4000:]
+    assert "exiting with code 75 after SIGTERM" in res.log, res.log[-4000:]
+    resumed = {rep["resumed_from"] for rep in res.reports.values()}
+    assert all(rep["incarnation"] == 1 for rep in res.reports.values()), res.reports
+    assert len(resumed) == 1 and None not in resumed, resumed
+    step = int(Path(resumed.pop()).name.split("-")[-1])
+    # the signal lands when 7 steps are done; the mark rides the all-reduce of the next batch cut, so the batches
+    # already cut (the one computing, the lookahead, the DataLoader's prefetch) run first: a few steps, not more
+    assert 7 <= step <= 11, f"checkpoint at step {step}, expected within a few steps of the SIGTERM at step 7"
+    _assert_exactly_once(res)
+
+
+@pytest.mark.timeout(600)
 def test_worker_sigstop_past_its_lease_is_fenced_and_the_job_recovers(tmp_path):
     # Rank 1 stops for 3 lease lifetimes: its leases expire, its late ack is fenced, it exits, torchrun restarts the
     # group, and the service rolls back to the last checkpoint's snapshot.

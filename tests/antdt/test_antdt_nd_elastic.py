@@ -128,6 +128,8 @@ def test_a_spare_joins_after_the_eviction_and_takes_work_and_the_evicted_node_ca
     # n1's second agent was refused by the service (blacklisted) and stopped itself; the round it was in re-formed
     assert "is blacklisted (" in res.agents["n1"].log and "stopping its agent" in res.agents["n1"].log, res.log()
     assert "this round has blacklisted nodes ['n1']" in res.agents["n0"].log + res.agents["n2"].log, res.log()
+    # the spare's arrival made torchrun SIGTERM n0's running worker: it checkpointed before leaving (no redone steps)
+    assert "exiting with code 75 after SIGTERM" in res.agents["n0"].log, res.log()
     print(f"events {res.events}; generation {res.status['generation']}; wall {res.wall_s:.1f} s")
     by_node = {r["node"]: r for r in res.reports}
     assert sorted(by_node) == ["n0", "n2"] and by_node["n2"]["world_size"] == 2, res.reports
