@@ -30,6 +30,7 @@ import numpy as np
 from ._index import ShardIndex
 from .config import ControllerConfig, JobConfig, MonitorConfig
 from .controller import (
+    _REFORMS_KEPT,
     Plan,
     controller_step,
     equal_split,
@@ -569,7 +570,11 @@ def _commit(st: JobState, req: dict, now: float) -> Decision:
     cid = _int(req, "checkpoint_id", 1, 1 << 40)
     keep = sorted(k for k in st.snapshots if k not in (0, cid))
     drop = keep[: max(0, len(keep) + 1 - st.job.keep_snapshots)]
-    return Decision(reply={"ok": True, "checkpoint_id": cid}, snapshot_put=(cid, _snapshot(st)), snapshot_drop=drop)
+    d = Decision(reply={"ok": True, "checkpoint_id": cid}, snapshot_put=(cid, _snapshot(st)), snapshot_drop=drop)
+    if req.get("leaving") is True:
+        # the ranks leave after this checkpoint: the next re-form measures what the re-formation cost
+        d.meta["control"] = {**st.control, "left_at": now}
+    return d
 
 
 def _snapshot_of(st: JobState, cid: int) -> dict:
@@ -641,8 +646,12 @@ def _reform(st: JobState, req: dict, now: float) -> Decision:
     rounds = int(old["rounds"])
     # Rounds stay monotonic (the history is keyed by them): every rank starts as having closed `rounds` windows.
     control["monitor"]["closed"] = {str(r): rounds for r in range(world)}
+    reforms = [float(x) for x in old.get("reform_s", [])]
+    if old.get("left_at") is not None and now >= float(old["left_at"]):
+        reforms = (reforms + [round(now - float(old["left_at"]), 3)])[-_REFORMS_KEPT:]
     control.update(rounds=rounds, restarts=old["restarts"], history=old["history"], nodes=nodes,
-                   blacklist=dict(old.get("blacklist", {})), evictions=int(old.get("evictions", 0)), generation=gen)
+                   blacklist=dict(old.get("blacklist", {})), evictions=int(old.get("evictions", 0)), generation=gen,
+                   reform_s=reforms)
     control["plan"]["version"] = int(old["plan"]["version"]) + 1
     shards = [Shard(e, i, a, b, o, state, -1, -1, 0, 0.0, acked) for e, i, a, b, o, state, acked in snap["shards"]]
     d = Decision(reply={"generation": gen, "plan": control["plan"], "epoch": snap["epoch"], "checkpoint_id": cid,
@@ -684,7 +693,8 @@ def _status(st: JobState, req: dict, now: float) -> Decision:
                            "snapshots": sorted(st.snapshots), "restarts": st.control["restarts"],
                            "generation": generation(st), "nodes": st.control.get("nodes", []),
                            "blacklist": st.control.get("blacklist", {}),
-                           "evictions": st.control.get("evictions", 0), "job": st.job.to_dict()})
+                           "evictions": st.control.get("evictions", 0),
+                           "reform_s": st.control.get("reform_s", []), "job": st.job.to_dict()})
 
 
 def _metrics(st: JobState, req: dict, now: float) -> Decision:

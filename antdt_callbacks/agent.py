@@ -271,7 +271,7 @@ class AntDTAgent(TrainerCallback, ExportableState):
             self.flush()
             _barrier()  # every rank's acks for this step are in
             if ds.rank == 0:
-                ds.client.commit(int(state.global_step))
+                ds.client.commit(int(state.global_step), leaving=self._exit_after_save)
             self.last_checkpoint_id = int(state.global_step)
         self.steps += 1
         self._last_end = time.perf_counter()

@@ -163,10 +163,15 @@ class ShardingClient:
     def release(self, items: list[dict]) -> dict:
         return self.call("release", {"items": items})
 
-    def commit(self, checkpoint_id: int) -> dict:
+    def commit(self, checkpoint_id: int, leaving: bool = False) -> dict:
+        """Snapshot the acked progress under ``checkpoint_id``. ``leaving``: the ranks exit after this checkpoint
+        (restart, eviction, SIGTERM); the service times the re-formation from here."""
         if checkpoint_id < 1:
             raise BadRequestError(f"checkpoint_id={checkpoint_id}: snapshot 0 is the job's start; use >= 1.")
-        return self.call("commit", {"checkpoint_id": int(checkpoint_id)})
+        body: dict = {"checkpoint_id": int(checkpoint_id)}
+        if leaving:
+            body["leaving"] = True
+        return self.call("commit", body)
 
     def restore(self, checkpoint_id: int) -> dict:
         return self.call("restore", {"checkpoint_id": int(checkpoint_id)})

@@ -148,6 +148,10 @@ class ControllerConfig(_DictMixin):
         evict_cost_s (`float`, *optional*, defaults to 30): seconds an eviction costs (checkpoint, re-rendezvous,
             worker restart, redone steps); the Controller evicts only when running without the node saves more.
         min_nodes (`int`, *optional*, defaults to 1): torchrun's ``MIN``; no eviction may leave fewer nodes.
+        measure_reform_cost (`bool`, *optional*, defaults to `True`): once this job has re-formed (a restart, an
+            eviction, a node joining), use the median of its measured re-formations (the leaving checkpoint's commit
+            to the next round's re-form, on the service's clock) in place of ``evict_cost_s`` and
+            ``restart_cost_s``.
     """
 
     policy: str = field(default="dd", metadata={"help": "dd | nd | off."})
@@ -159,6 +163,8 @@ class ControllerConfig(_DictMixin):
     max_evictions: int = field(default=0, metadata={"help": "Node eviction budget (0 = never evict)."})
     evict_cost_s: float = field(default=30.0, metadata={"help": "Seconds one node eviction costs."})
     min_nodes: int = field(default=1, metadata={"help": "torchrun's MIN nodes; no eviction goes below it."})
+    measure_reform_cost: bool = field(default=True, metadata={
+        "help": "Use this job's measured re-formations in place of evict_cost_s / restart_cost_s once there is one."})
 
     def __post_init__(self) -> None:
         self.policy = str(self.policy).lower()

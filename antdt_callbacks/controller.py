@@ -26,6 +26,7 @@ __all__ = [
     "eviction_refusal",
     "evict_node",
     "evict_saving_s",
+    "reform_cost_s",
     "fit_step_cost",
     "initial_control_state",
     "monitor_observe",
@@ -191,7 +192,24 @@ def initial_control_state(world: int, batch_sizes: list[int]) -> dict:
         "nodes": [],
         "blacklist": {},
         "evictions": 0,
+        # Measured re-formations of this job (seconds from the leaving checkpoint's commit to the next round's
+        # re-form), the latest last; they replace the configured eviction / restart cost once there is one.
+        "reform_s": [],
     }
+
+
+_REFORMS_KEPT = 5
+
+
+def reform_cost_s(ctl: dict, configured: float, ccfg: ControllerConfig) -> tuple[float, str]:
+    """What one re-formation (eviction or kill-and-restart) is expected to cost, and where the figure comes from:
+    the median of this job's measured re-formations when ``ccfg.measure_reform_cost`` and there is one, else the
+    configured value. A measured one counts checkpoint write, exits, torchrun's re-rendezvous (its last-call wait
+    included), worker start-up and checkpoint load, which a configured guess easily gets wrong by a factor."""
+    seen = [float(x) for x in ctl.get("reform_s", [])]
+    if ccfg.measure_reform_cost and seen:
+        return statistics.median(seen), f"measured over {len(seen)} re-formation(s) of this job"
+    return configured, "configured"
 
 
 def _classify(streak: int, ratio: float, rounds: int, mcfg: MonitorConfig) -> str:
@@ -306,9 +324,11 @@ def _consider_eviction(new: dict, mcfg: MonitorConfig, ccfg: ControllerConfig, r
     if any(c <= 0 for _, c in costs):
         return {"rank": rank, "node": node, "choice": "absorb", "why": "no cost measurement for every rank yet"}
     leaving = [r for r in range(world) if nodes[r] == node]
+    cost, source = reform_cost_s(new, ccfg.evict_cost_s, ccfg)
     saving = evict_saving_s(total, [f for f, _ in costs], [c for _, c in costs], leaving, remaining_steps,
-                            ccfg.evict_cost_s, ccfg.min_batch_size)
-    note = {"rank": rank, "node": node, "saving_s": round(saving, 3), "fixed_s": round(costs[rank][0], 5),
+                            cost, ccfg.min_batch_size)
+    note = {"rank": rank, "node": node, "saving_s": round(saving, 3), "evict_cost_s": round(cost, 3),
+            "evict_cost_source": source, "fixed_s": round(costs[rank][0], 5),
             "per_sample_s": round(costs[rank][1], 6),
             "others_fixed_s": round(statistics.median([f for i, (f, _) in enumerate(costs) if i not in leaving]
                                                       or [0.0]), 5)}
@@ -317,7 +337,7 @@ def _consider_eviction(new: dict, mcfg: MonitorConfig, ccfg: ControllerConfig, r
     return {**note, "choice": "evict", "evict": True,
             "why": (f"persistent straggler at {ratio:.2f}x the median rate for {new['streak'][rank]} windows; "
                     f"evicting saves {saving:.1f} s over the remaining {remaining_steps:.0f} steps net of "
-                    f"evict_cost_s={ccfg.evict_cost_s}")}
+                    f"an eviction cost of {cost:.1f} s ({source})")}
 
 
 def controller_step(ctl: dict, mcfg: MonitorConfig, ccfg: ControllerConfig, remaining_samples: int) -> dict:
@@ -363,8 +383,8 @@ def controller_step(ctl: dict, mcfg: MonitorConfig, ccfg: ControllerConfig, rema
                     evicted = note
                     break
             if severe and new["restarts"] < ccfg.max_restarts:
-                saving = restart_saving_s(target, rates, r, remaining_steps, ccfg.restart_cost_s,
-                                          ccfg.min_batch_size)
+                saving = restart_saving_s(target, rates, r, remaining_steps,
+                                          reform_cost_s(new, ccfg.restart_cost_s, ccfg)[0], ccfg.min_batch_size)
                 if saving > 0:
                     actions[r] = "restart"
     if evicted is not None:

@@ -239,3 +239,53 @@ def test_refusals_travel_over_http_as_typed_errors_and_the_cli_reports_them(tmp_
         assert status["generation"] == gen and status["nodes"] == ["a", "b"] and status["blacklist"] == {}
     finally:
         svc.stop()
+
+
+def test_a_measured_reformation_replaces_the_configured_eviction_cost():
+    # _node_cost(1) evicts at a configured cost of 1 s; a job whose own re-formations took 500 s absorbs instead
+    def start(reforms):
+        ctl = initial_control_state(2, [8, 8])
+        ctl["reform_s"] = list(reforms)
+        return ctl
+
+    ctl = _feed(start([400.0, 500.0, 600.0]), nd(), _node_cost(1), 12, remaining=2000)
+    assert ctl["plan"]["actions"] == {} and ctl["blacklist"] == {}
+    notes = [n for h in ctl["history"] for n in h.get("eviction", [])]
+    assert notes and all(n["choice"] == "absorb" and n["evict_cost_s"] == 500.0 for n in notes), notes
+    assert "measured over 3 re-formation(s)" in notes[0]["evict_cost_source"]
+    # switched off, or before any re-formation: the configured cost decides (and the note says so)
+    for ccfg, reforms in [(nd(measure_reform_cost=False), [400.0, 500.0, 600.0]), (nd(), [])]:
+        ctl = _feed(start(reforms), ccfg, _node_cost(1), 12, remaining=2000)
+        assert ctl["plan"]["actions"] == {"1": "evict"}, ctl["history"][-2:]
+        note = next(n for h in ctl["history"] for n in h.get("eviction", []) if n["choice"] == "evict")
+        assert note["evict_cost_s"] == 1.0 and note["evict_cost_source"] == "configured"
+
+
+def test_the_service_times_each_reformation_from_the_leaving_checkpoint(tmp_path):
+    db = tmp_path / "s.sqlite"
+    job = JobConfig(dataset_size=96, shard_size=8, world_size=2, global_batch_size=8)
+    store = SQLiteStore(db)
+    st, _ = store.load_or_create(job, MCFG, nd(), 10.0, 1000.0)
+
+    def call(op, now, **req):
+        d = decide(st, {"op": op, **req}, now)
+        store.commit(d)
+        apply(st, d)
+        return d.reply
+
+    gen = call("reform", 1000.0, rank=0, world_size=2, nodes=["a", "b"], checkpoint_id=0)["generation"]
+    for r, n in enumerate("ab"):
+        call("register", 1000.0, rank=r, incarnation=gen, node=n)
+    call("commit", 1010.0, rank=0, incarnation=gen, checkpoint_id=4)  # a periodic checkpoint: nobody leaves
+    gen = call("reform", 1011.0, rank=0, world_size=2, nodes=["a", "b"], checkpoint_id=4)["generation"]
+    assert st.control["reform_s"] == [] and "left_at" not in st.control
+    for r, n in enumerate("ab"):
+        call("register", 1011.0, rank=r, incarnation=gen, node=n)
+    call("commit", 1020.0, rank=0, incarnation=gen, checkpoint_id=8, leaving=True)
+    store.close()
+    store = SQLiteStore(db)  # the service restarted between the checkpoint and the re-form: the mark survives
+    st, _ = store.load_or_create(job, MCFG, nd(), 10.0, 1000.0)
+    call("reform", 1062.5, rank=0, world_size=1, nodes=["a"], checkpoint_id=8)
+    assert st.control["reform_s"] == [42.5] and "left_at" not in st.control
+    assert decide(st, {"op": "status"}, 1063.0).reply["reform_s"] == [42.5]
+    store.close()
