@@ -60,9 +60,11 @@ def test_a_slow_node_stays_slow_for_every_process_started_on_it():
 def _nd_config(**kw):
     mcfg = MonitorConfig(window_steps=2, consecutive_windows=1, persistent_windows=2, straggler_threshold=0.25,
                          severe_ratio=0.7)
-    # evict_cost_s is low so that a short test can pay it back; min_nodes is torchrun's MIN
+    # evict_cost_s is low so that a short test can pay it back, and it is used even after a measured re-formation
+    # (agents that start more than last_call_timeout apart form a round, then re-form with both: ~17 s measured,
+    # which these 1-minute jobs could never pay back); min_nodes is torchrun's MIN
     ccfg = ControllerConfig(**{"policy": "nd", "cooldown_windows": 0, "max_evictions": 1, "evict_cost_s": 0.3,
-                               "min_nodes": 1, **kw})
+                               "min_nodes": 1, "measure_reform_cost": False, **kw})
     return mcfg, ccfg
 
 
@@ -101,11 +103,13 @@ def test_persistently_slow_node_is_evicted_and_the_job_finishes_on_the_others(tm
     assert len(chosen) == 1 and chosen[0]["node"] == "n1" and chosen[0]["saving_s"] > 0, notes
     first = res.history[0]["rates"]  # samples per compute second in the first window (equal batches)
     print(f"measured: rates in the first window {first} (n1 {max(first) / min(first):.2f}x slower); eviction "
-          f"note {chosen[0]}; wall {res.wall_s:.1f} s")
+          f"note {chosen[0]}; re-formations {res.status.get('reform_s')} s; wall {res.wall_s:.1f} s")
     # the job finished on the remaining node alone, in a later generation, from the eviction's checkpoint
     (final,) = res.reports
     assert final["node"] == "n0" and final["world_size"] == 1 and final["resumed_from"], res.reports
     assert res.status["generation"] >= 2
+    # the service timed the re-formation (the eviction checkpoint's commit to the new round's re-form)
+    assert len(res.status["reform_s"]) >= 1 and all(0 < x < res.wall_s for x in res.status["reform_s"]), res.status
     if service_fault != "none":
         assert any("SIGKILLed" in e for e in res.events) and any("restarted" in e for e in res.events), res.events
     _assert_exactly_once(res)
