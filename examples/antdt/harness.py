@@ -3,7 +3,8 @@ plus ``torchrun --max-restarts`` over `train_worker.py`, with optional faults. S
 benchmark and the notebook.
 
 ``run_elastic_job`` runs AntDT-ND on emulated nodes instead (`elastic_cluster`): one ``torchrun --nnodes MIN:MAX``
-agent per node, slow nodes slowed by co-tenant processes on their cores, evictions through the elastic rendezvous.
+agent per node, slow nodes slowed by co-tenant processes on their cores or by a CPU quota (a cgroup per node),
+evictions through the elastic rendezvous.
 
 ``run_job`` returns the final ``seen`` counter of the committed model (how often each sample id contributed), the
 per-rank reports of the last incarnation, the service status and the torchrun exit code.
@@ -120,6 +121,9 @@ class ElasticResult:
     wall_s: float
     finished: bool
     history: list[dict] = field(default_factory=list)  # the Controller's rounds (rates, classes, eviction notes)
+    gang_s: float = 0.0  # gang start: seconds until every agent had imported torchrun on its node
+    node_stats: dict = field(default_factory=dict)  # CPU-quota nodes: cpu.stat (throttled periods and time)
+    t0_perf: float = 0.0  # time.perf_counter() when the agents started (the origin of AgentRun.started_s/ended_s)
 
     def log(self) -> str:
         return "\n".join(f"===== agent {n} (rc {a.returncode}) =====\n{a.log[-6000:]}" for n, a in self.agents.items())
@@ -129,12 +133,13 @@ def run_elastic_job(out: str | os.PathLike, nodes: list, job: JobConfig, monitor
                     controller: ControllerConfig | None = None, worker_args: list[str] | None = None,
                     min_nodes: int = 1, max_nodes: int | None = None, max_restarts: int = 3, timeout_s: float = 300,
                     kill_service_on_eviction: bool = False, service_down_s: float = 1.5,
-                    after_eviction: list | None = None) -> ElasticResult:
+                    after_eviction: list | None = None, gang_start: bool = False) -> ElasticResult:
     """AntDT-ND on emulated nodes (`elastic_cluster.Node`): the service, then one ``torchrun --nnodes MIN:MAX``
     agent per node. With ``kill_service_on_eviction`` the service is SIGKILLed as soon as it has blacklisted a node
     (the job is then checkpointing and re-forming) and restarted ``service_down_s`` later on the same port and
     database. ``after_eviction`` nodes start their agents once the job has re-formed without the evicted node: a
-    spare joining, or (the same name) the evicted node trying to rejoin."""
+    spare joining, or (the same name) the evicted node trying to rejoin. ``gang_start``: the agents join the
+    rendezvous together (`elastic_cluster.ElasticJob`)."""
     from elastic_cluster import ElasticJob, read_reports
 
     from antdt_callbacks import ShardingClient
@@ -145,7 +150,7 @@ def run_elastic_job(out: str | os.PathLike, nodes: list, job: JobConfig, monitor
     svc = launch_service(out / "service.sqlite", job, monitor, controller)
     args = ["--url", svc.url, "--out", str(out / "run"), "--dataset-size", str(job.dataset_size),
             "--pg-timeout-s", "60", *(worker_args or [])]
-    cluster = ElasticJob(out, nodes, args, min_nodes, max_nodes or len(nodes), max_restarts)
+    cluster = ElasticJob(out, nodes, args, min_nodes, max_nodes or len(nodes), max_restarts, gang_start=gang_start)
     t0 = time.time()
     stop_killer = threading.Event()
     killer = None
@@ -182,7 +187,8 @@ def run_elastic_job(out: str | os.PathLike, nodes: list, job: JobConfig, monitor
         from safetensors.torch import load_file
 
         seen = load_file(files[0])["seen"].tolist()
-    return ElasticResult(agents, seen, read_reports(out / "run"), status, events, wall, finished, history)
+    return ElasticResult(agents, seen, read_reports(out / "run"), status, events, wall, finished, history,
+                         cluster.gang_s, cluster.cgroup_stats, cluster.t0)
 
 
 def _join_after_eviction(svc, cluster, nodes: list, events: list[str], stop: threading.Event,
