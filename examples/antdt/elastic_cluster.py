@@ -270,15 +270,19 @@ class AgentRun:
 
 
 class ElasticJob:
-    """One ``torchrun --nnodes MIN:MAX --rdzv-backend c10d`` agent per node over ``script``; the service URL and the
-    worker arguments are passed through. Every agent is started in its own session and pinned to its node's cores."""
+    """One ``torchrun --nnodes MIN:MAX --rdzv-backend c10d`` (or ``antdt``) agent per node over ``script``; the service
+    URL and the worker arguments are passed through. Every agent is started in its own session and pinned to its
+    node's cores."""
 
     def __init__(self, out: Path, nodes: list[Node], args: list[str], min_nodes: int, max_nodes: int,
                  max_restarts: int = 3, script: Path = WORKER, env: dict[str, str] | None = None,
-                 join_timeout_s: float = 60.0, gang_start: bool = False):
+                 join_timeout_s: float = 60.0, gang_start: bool = False, rdzv_backend: str = "c10d",
+                 service_url: str | None = None):
         self.out, self.nodes, self.args = Path(out), nodes, list(args)
         self.min_nodes, self.max_nodes, self.max_restarts = min_nodes, max_nodes, max_restarts
         self.script, self.join_timeout_s = script, join_timeout_s
+        # "antdt": c10d with the job's blacklist checked before an agent joins (antdt_callbacks.rendezvous)
+        self.rdzv_backend, self.service_url = rdzv_backend, service_url
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                     # rank 0 publishes MASTER_ADDR in every round (a re-formed round has a new rank 0)
                     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
@@ -301,9 +305,11 @@ class ElasticJob:
         torchrun = Path(sys.executable).with_name("torchrun")
         conf = (f"is_host=0,join_timeout={int(self.join_timeout_s)},last_call_timeout=1,keep_alive_interval=1,"
                 "keep_alive_max_attempt=3")
+        if self.rdzv_backend == "antdt" and self.service_url:
+            conf += f",antdt_url={self.service_url}"
         assert self.store is not None
         return [str(torchrun), "--nnodes", f"{self.min_nodes}:{self.max_nodes}", "--nproc-per-node", "1",
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", self.store.endpoint, "--rdzv-id", self.run_id,
+                "--rdzv-backend", self.rdzv_backend, "--rdzv-endpoint", self.store.endpoint, "--rdzv-id", self.run_id,
                 "--rdzv-conf", conf, "--local-addr", "127.0.0.1", "--max-restarts", str(self.max_restarts),
                 "--monitor-interval", "0.5", str(self.script), *self.args]
 

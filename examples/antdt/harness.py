@@ -133,13 +133,15 @@ def run_elastic_job(out: str | os.PathLike, nodes: list, job: JobConfig, monitor
                     controller: ControllerConfig | None = None, worker_args: list[str] | None = None,
                     min_nodes: int = 1, max_nodes: int | None = None, max_restarts: int = 3, timeout_s: float = 300,
                     kill_service_on_eviction: bool = False, service_down_s: float = 1.5,
-                    after_eviction: list | None = None, gang_start: bool = False) -> ElasticResult:
+                    after_eviction: list | None = None, gang_start: bool = False,
+                    rdzv_backend: str = "c10d") -> ElasticResult:
     """AntDT-ND on emulated nodes (`elastic_cluster.Node`): the service, then one ``torchrun --nnodes MIN:MAX``
     agent per node. With ``kill_service_on_eviction`` the service is SIGKILLed as soon as it has blacklisted a node
     (the job is then checkpointing and re-forming) and restarted ``service_down_s`` later on the same port and
     database. ``after_eviction`` nodes start their agents once the job has re-formed without the evicted node: a
     spare joining, or (the same name) the evicted node trying to rejoin. ``gang_start``: the agents join the
-    rendezvous together (`elastic_cluster.ElasticJob`)."""
+    rendezvous together (`elastic_cluster.ElasticJob`). ``rdzv_backend="antdt"``: the agents check the job's blacklist
+    before they join (`antdt_callbacks.rendezvous`)."""
     from elastic_cluster import ElasticJob, read_reports
 
     from antdt_callbacks import ShardingClient
@@ -150,7 +152,8 @@ def run_elastic_job(out: str | os.PathLike, nodes: list, job: JobConfig, monitor
     svc = launch_service(out / "service.sqlite", job, monitor, controller)
     args = ["--url", svc.url, "--out", str(out / "run"), "--dataset-size", str(job.dataset_size),
             "--pg-timeout-s", "60", *(worker_args or [])]
-    cluster = ElasticJob(out, nodes, args, min_nodes, max_nodes or len(nodes), max_restarts, gang_start=gang_start)
+    cluster = ElasticJob(out, nodes, args, min_nodes, max_nodes or len(nodes), max_restarts, gang_start=gang_start,
+                         rdzv_backend=rdzv_backend, service_url=svc.url)
     t0 = time.time()
     stop_killer = threading.Event()
     killer = None

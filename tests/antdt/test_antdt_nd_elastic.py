@@ -116,22 +116,31 @@ def test_persistently_slow_node_is_evicted_and_the_job_finishes_on_the_others(tm
 
 
 @pytest.mark.timeout(300)
-def test_a_spare_joins_after_the_eviction_and_takes_work_and_the_evicted_node_cannot_rejoin(tmp_path):
+@pytest.mark.parametrize("rdzv_backend", ["c10d", "antdt"])
+def test_a_spare_joins_after_the_eviction_and_takes_work_and_the_evicted_node_cannot_rejoin(tmp_path, rdzv_backend):
     """After node n1 is evicted the job runs on n0 alone; then a spare (n2) and the evicted n1 start agents. The
-    spare's arrival re-forms the job (torchrun restarts n0's worker for the membership change); a round that holds
-    n1 is refused by the service (blacklisted), n1's worker stops its agent, and the job re-forms on n0 and n2."""
+    spare's arrival re-forms the job (torchrun restarts n0's worker for the membership change). Under c10d, a round
+    that holds n1 is refused by the service (blacklisted), n1's worker stops its agent, and the job re-forms once
+    more on n0 and n2; under the ``antdt`` backend n1's agent reads the blacklist and leaves before it joins."""
     cpus = _need_cluster()
     nodes = [Node("n0", [cpus[0]]), Node("n1", [cpus[1]], hogs=HOGS)]
     spare, rejoin = Node("n2", [cpus[1]]), Node("n1", [cpus[1]])
     job = JobConfig(dataset_size=3200, shard_size=16, world_size=3, global_batch_size=16, lease_ttl_s=10.0)
     mcfg, ccfg = _nd_config()
     res = run_elastic_job(tmp_path, nodes, job, mcfg, ccfg, WORK, min_nodes=1, max_nodes=3, max_restarts=4,
-                          timeout_s=260, after_eviction=[spare, rejoin])
+                          timeout_s=260, after_eviction=[spare, rejoin], rdzv_backend=rdzv_backend)
     assert res.finished, f"{res.events}\n{res.log()}"
     assert list(res.status["blacklist"]) == ["n1"], res.status
-    # n1's second agent was refused by the service (blacklisted) and stopped itself; the round it was in re-formed
-    assert "is blacklisted (" in res.agents["n1"].log and "stopping its agent" in res.agents["n1"].log, res.log()
-    assert "this round has blacklisted nodes ['n1']" in res.agents["n0"].log + res.agents["n2"].log, res.log()
+    others = res.agents["n0"].log + res.agents["n2"].log
+    if rdzv_backend == "c10d":
+        # n1's second agent was refused by the service (blacklisted) and stopped itself; its round re-formed
+        assert "is blacklisted (" in res.agents["n1"].log and "stopping its agent" in res.agents["n1"].log, res.log()
+        assert "this round has blacklisted nodes ['n1']" in others, res.log()
+    else:
+        # n1's second agent never joined: no round held it, so nothing re-formed for it
+        assert "node n1 is blacklisted by the job's shard service" in res.agents["n1"].log, res.log()
+        assert res.agents["n1"].returncode == 0, res.log()
+        assert "this round has blacklisted nodes" not in others, res.log()
     # the spare's arrival made torchrun SIGTERM n0's running worker: it checkpointed before leaving (no redone steps)
     assert "exiting with code 75 after SIGTERM" in res.agents["n0"].log, res.log()
     print(f"events {res.events}; generation {res.status['generation']}; wall {res.wall_s:.1f} s")
