@@ -8,12 +8,10 @@ with ``nlist + nprobe * n / nlist`` instead of ``n``, so the search is no longer
 hf-scale-plugins[scale]``): `faiss_available` says whether it imports, and the engine falls back to the exact
 PyTorch search when it does not.
 
-Measured limits (bench/tea/README.md, "Scale"): LightTEA's features are nearly isotropic in the subspace (best-match
-cosine about 0.4 against 0.28 for the runner-up), which inverted lists partition poorly. At 1x YAGO-WIKI50K
-(44k x 44k) the index needs to scan about 30% of the lists to find the exact search's best candidate for 98% of the
-rows, and it is then 3x slower than the exact bf16 search; at the default ``nprobe`` (4% of the lists) it is still
-about 2x slower at that size and loses 0.28 H@1 end to end. Its cost grows as ``n^1.5`` against the exact search's
-``n^2``, so it only pays far beyond that size, and only where lower accuracy is acceptable.
+Inverted lists partition the space by k-means, so they find a row's best match only when it falls in one of the
+``nprobe`` lists whose centroids score best for that row; on features without cluster structure that needs a large
+share of the lists. Set ``LightTEAConfig.candidate_check_rows`` to measure the recall on your data; the figures
+measured on the synthetic YAGO-WIKI50K-sized pairs are in bench/tea/README.md ("Scale").
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from .similarity import TopK, exact_scores, principal_basis
+from .similarity import TopK, exact_scores, principal_basis, work_dtype
 
 __all__ = ["default_nlist", "faiss_available", "ivf_topk"]
 
@@ -54,8 +52,7 @@ def _project(x: torch.Tensor, basis: torch.Tensor, dtype: torch.dtype | None, bl
     out = np.empty((x.shape[0], basis.shape[1]), dtype=np.float32)
     b = basis if dtype is None else basis.to(dtype)
     for r0 in range(0, x.shape[0], block):
-        rows = x[r0:r0 + block]
-        out[r0:r0 + block] = (rows if dtype is None else rows.to(dtype)).matmul(b).float().cpu().numpy()
+        out[r0:r0 + block] = x[r0:r0 + block].to(b.dtype).matmul(b).float().cpu().numpy()
     return out
 
 
@@ -77,7 +74,7 @@ def _rescore(left: torch.Tensor, right: torch.Tensor, top: TopK, missing: torch.
              rows: torch.Tensor | None = None) -> TopK:
     """`similarity.rescore_topk` that leaves padded candidates (``missing``) at `PAD_SCORE`."""
     m = min(rescore, top.values.shape[1])
-    values = top.values.to(left.dtype)
+    values = top.values.to(work_dtype(left))
     if m == 0:
         return TopK(values, top.index)
     exact = exact_scores(left, right, top.index[:, :m].contiguous(), rows)
@@ -112,7 +109,7 @@ def ivf_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: int, r
     if rank is not None and rank < dim:
         basis = principal_basis(left, right, rank, generator, matmul_dtype=matmul_dtype)
     else:
-        basis = torch.eye(dim, dtype=left.dtype)
+        basis = torch.eye(dim, dtype=work_dtype(left))
     pl = _project(left, basis, matmul_dtype if low else None, block_rows)
     pr = _project(right, basis, matmul_dtype if low else None, block_rows)
     n_right, width = pr.shape

@@ -17,6 +17,7 @@ TIE_BREAKS = ("random", "first")
 
 MATMUL_PRECISIONS = ("auto", "bfloat16", "float32")  # LightTEAConfig.matmul_precision; see precision.py
 CANDIDATE_SEARCHES = ("auto", "exact", "faiss")  # LightTEAConfig.candidate_search; see ann.py
+FEATURE_DTYPES = ("auto", "float16", "float32")  # LightTEAConfig.feature_dtype
 
 
 @dataclass
@@ -80,6 +81,12 @@ class LightTEAConfig:
             projections: ``"bfloat16"``, ``"float32"``, or ``"auto"`` (bf16 on CUDA and on CPUs that multiply bf16
             natively, AMX or AVX512-BF16; fp32 elsewhere). Exact re-scoring, Sinkhorn and evaluation stay fp32;
             ``reference_compat=True`` uses fp32 throughout.
+        feature_dtype (`str`, *optional*, defaults to `"auto"`):
+            Storage dtype of the per-aspect and fused entity features, the largest matrices of a run (test rows x
+            ``mini_dim * aspect_dim``): ``"float16"`` halves them (sums, norms, products and scores still run in
+            fp32; only the stored values are rounded), ``"float32"`` keeps them full width, ``"auto"`` stores fp16
+            when the subspace search is used (``candidate_dim`` below the feature width), whose candidates are
+            re-scored from fp16 rows anyway, and fp32 otherwise; ``reference_compat=True`` always keeps fp32.
         candidate_search (`str`, *optional*, defaults to `"auto"`):
             How the top-k candidates are searched: ``"exact"`` (PyTorch blocked search, quadratic in the test pairs;
             in the principal subspace when ``candidate_dim`` is set), ``"faiss"`` (an inverted-file index over the
@@ -153,6 +160,8 @@ class LightTEAConfig:
                                              "'include' them (the reference)."})
     matmul_precision: str = field(
         default="auto", metadata={"help": "Approximate products: 'auto', 'bfloat16' or 'float32'."})
+    feature_dtype: str = field(
+        default="auto", metadata={"help": "Storage dtype of the features: 'auto', 'float16' or 'float32'."})
     candidate_search: str = field(
         default="auto", metadata={"help": "Candidate search: 'auto', 'exact' or 'faiss' (optional extra [scale])."})
     faiss_min_rows: int = field(
@@ -182,6 +191,11 @@ class LightTEAConfig:
         if self.matmul_precision not in MATMUL_PRECISIONS:
             raise ValueError(f"LightTEAConfig.matmul_precision={self.matmul_precision!r} is not supported: use one "
                              f"of {MATMUL_PRECISIONS}.")
+        self.feature_dtype = {"fp16": "float16", "half": "float16", "fp32": "float32"}.get(
+            str(self.feature_dtype).lower(), str(self.feature_dtype).lower())
+        if self.feature_dtype not in FEATURE_DTYPES:
+            raise ValueError(f"LightTEAConfig.feature_dtype={self.feature_dtype!r} is not supported: use one of "
+                             f"{FEATURE_DTYPES}.")
         self.candidate_search = str(self.candidate_search).lower()
         if self.candidate_search not in CANDIDATE_SEARCHES:
             raise ValueError(f"LightTEAConfig.candidate_search={self.candidate_search!r} is not supported: use one "

@@ -27,7 +27,16 @@ from .data import TKGPair
 from .graph import build_graph, time_counts
 from .memory import reuse_freed_memory
 from .precision import matmul_dtype
-from .propagation import csr, l2n_, propagate, seed_labels, triple_layout, triple_view
+from .propagation import (
+    csr,
+    l2n_,
+    nonzero_rows,
+    propagate,
+    seed_labels,
+    triple_layout,
+    triple_operands,
+    triple_sums,
+)
 from .similarity import TemporalSimilarity, TopK, blocked_topk, candidate_recall, lowrank_topk
 from .sinkhorn import sparse_sinkhorn
 
@@ -167,6 +176,16 @@ class LightTEA:
             return "exact"
         return "faiss"
 
+    def feature_dtype(self, aspect_dim: int) -> torch.dtype:
+        """Storage dtype of the features (see `LightTEAConfig.feature_dtype`)."""
+        cfg = self.config
+        if cfg.reference_compat or cfg.feature_dtype == "float32":
+            return torch.float32
+        if cfg.feature_dtype == "float16":
+            return torch.float16
+        width = aspect_dim * cfg.mini_dim * (2 if cfg.fusion == "concat" else 1)
+        return torch.float16 if cfg.candidate_dim is not None and cfg.candidate_dim < width else torch.float32
+
     def unknown_time_id(self, pair: TKGPair) -> int | None:
         if self.config.reference_compat:
             return 0  # the reference drops time 0 everywhere, also ICEWS's first day
@@ -187,6 +206,7 @@ class LightTEA:
         compat = cfg.reference_compat
         aspect_dim = self.aspect_dim(pair)
         low = torch.float32 if compat else matmul_dtype(cfg.matmul_precision, device)
+        store = self.feature_dtype(aspect_dim)
         bar = self._bar = _progress(progress, cfg.rounds)
         self._round = 0
 
@@ -223,14 +243,19 @@ class LightTEA:
                     e0 = seed_labels(graph.num_entities, train.cpu(), cfg.dim, _stream(cfg.seed, rnd, 2 * a)).to(device)
                     e_bar, x_cat = propagate(a_ee, spread[a], e0, cfg.lp_steps)
                 with self._stage("triple_view", device):
-                    feats.append(triple_view(graph, aspect, e_bar, x_cat, aspect_dim, cfg.mini_dim,
-                                             _stream(cfg.seed, rnd, 2 * a + 1), rows,
-                                             label_dim=cfg.dim, matmul_dtype=low, layout=layout,
-                                             first_hop=None if compat else (graph.entity_entity, e0)))
-                del e0, e_bar, x_cat
+                    ops = triple_operands(graph, aspect, e_bar, x_cat, aspect_dim, cfg.mini_dim,
+                                          _stream(cfg.seed, rnd, 2 * a + 1), rows, label_dim=cfg.dim,
+                                          matmul_dtype=low, layout=layout,
+                                          first_hop=None if compat else (graph.entity_entity, e0))
+                    del e0, e_bar, x_cat  # the sums read only the gathered tail rows
+                    feats.append(triple_sums(ops, out_dtype=store))
+                    del ops
+                if cfg.fusion == "sum" and a == 1:  # fold the second aspect in at once: one feature matrix left
+                    with self._stage("fusion", device):
+                        feats = [feats[0].mul_(1 - cfg.alpha).add_(feats[1], alpha=cfg.alpha)]
             with self._stage("fusion", device):
                 if cfg.fusion == "sum":
-                    fused = feats[0].mul_(1 - cfg.alpha).add_(feats[1], alpha=cfg.alpha)
+                    fused = feats[0]  # already weighted and summed above
                 else:
                     fused = torch.cat([feats[0].mul_(1 - cfg.alpha), feats[1].mul_(cfg.alpha)], dim=1)
                 del feats
@@ -246,7 +271,7 @@ class LightTEA:
                     k_eval = min(top_k, n_test)
                     masked_k = min(top_k, int(open_right.sum()))
                 else:
-                    active, has_facts = left.abs().amax(dim=1) > 0, right.abs().amax(dim=1) > 0
+                    active, has_facts = nonzero_rows(left), nonzero_rows(right)
                     k_eval = min(top_k, int(has_facts.sum()))
                     masked_k = min(top_k, int((open_right & has_facts).sum()))
                 # While nothing is masked (round 1) the pseudo-seed search is the evaluation search itself.
@@ -302,6 +327,7 @@ class LightTEA:
                     train = torch.cat([train, new[:, :2]])
                     pseudo_all.append(new[:, :2].cpu().numpy())
                     metrics.pseudo_seeds_added, metrics.pseudo_seed_precision = len(new), correct
+            del full, masked, sims, m, best  # round-sized results not needed any more: free before the next round
             metrics.seconds = time.perf_counter() - t_round
             rounds.append(metrics)
             logger.info("round %d: H@1 %.4f H@10 %.4f MRR %.4f (+%d pseudo seeds)", rnd, h1, h10, mrr,
@@ -322,6 +348,7 @@ class LightTEA:
             pseudo_seeds=np.concatenate(pseudo_all) if pseudo_all else np.zeros((0, 2), dtype=np.int64),
             timings={k: round(v, 4) for k, v in self.timings.items()},
             config=cfg.to_dict() | {"aspect_dim_used": aspect_dim, "candidate_search_used": search_kind,
+                                    "feature_dtype_used": str(store).removeprefix("torch."),
                                     "unknown_time_id_used": self.unknown_time_id(pair)},
             device=str(device),
             data_summary=pair.summary(),

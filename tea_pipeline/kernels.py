@@ -67,24 +67,32 @@ def weighted_segment_sum(crow: torch.Tensor, col: torch.Tensor, w: torch.Tensor,
 
 def gathered_dot(left: torch.Tensor, right: torch.Tensor, index: torch.Tensor, rows: torch.Tensor | None = None,
                  gather_rows: int = 512, native: bool = True) -> torch.Tensor:
-    """``out[i, c] = left[rows[i]] . right[index[i, c]]`` (rows default: all), in ``left``'s dtype.
+    """``out[i, c] = left[rows[i]] . right[index[i, c]]`` (rows default: all), in ``left``'s dtype (fp32 for fp16).
 
     ``right`` may be stored narrower (fp16): its rows are widened before the product, so only its storage rounding
     enters. The PyTorch path gathers about ``gather_rows`` candidate rows per chunk so that the gathered block stays
     cache-resident for the batched product.
     """
     index = index.contiguous()
+    work = torch.float32 if left.dtype == torch.float16 else left.dtype
     kernel = _native(left, right) if native else None
-    if kernel is not None and left.dtype == torch.float32 and right.dtype in (torch.float32, torch.float16):
-        return kernel.gathered_dot(left, right, index, None if rows is None else rows.contiguous())
+    if kernel is not None and work == torch.float32 and right.dtype in (torch.float32, torch.float16):
+        if left.dtype == torch.float32:
+            return kernel.gathered_dot(left, right, index, None if rows is None else rows.contiguous())
+        # fp16 left rows: widened to fp32 a chunk of rows at a time
+        out = torch.empty(index.shape, dtype=work, device=left.device)
+        for r0 in range(0, index.shape[0], 8192):
+            lrows = left[r0:r0 + 8192] if rows is None else left[rows[r0:r0 + 8192]]
+            out[r0:r0 + 8192] = kernel.gathered_dot(lrows.float(), right, index[r0:r0 + 8192], None)
+        return out
     chunk = max(1, gather_rows // max(1, index.shape[1]))
-    out = torch.empty(index.shape, dtype=left.dtype, device=left.device)
+    out = torch.empty(index.shape, dtype=work, device=left.device)
     for r0 in range(0, index.shape[0], chunk):
         r1 = min(r0 + chunk, index.shape[0])
-        lrows = left[r0:r1] if rows is None else left[rows[r0:r1]]
+        lrows = (left[r0:r1] if rows is None else left[rows[r0:r1]]).to(work)
         cand = right.index_select(0, index[r0:r1].reshape(-1)).view(r1 - r0, index.shape[1], -1)
-        if cand.dtype != left.dtype:
-            cand = cand.to(left.dtype)
+        if cand.dtype != work:
+            cand = cand.to(work)
         out[r0:r1] = torch.bmm(cand, lrows[:, :, None])[:, :, 0]
     return out
 

@@ -18,6 +18,7 @@ from .graph import AspectGraph, TKGGraph
 from .kernels import weighted_segment_sum
 
 EPS = 1e-12  # TensorFlow's l2_normalize floor on the squared norm: zero rows stay zero
+HALF = (torch.float16, torch.bfloat16)  # storage dtypes whose arithmetic here runs in fp32
 
 
 def l2n(x: torch.Tensor) -> torch.Tensor:
@@ -25,8 +26,15 @@ def l2n(x: torch.Tensor) -> torch.Tensor:
     return l2n_(x.clone())
 
 
-def l2n_(x: torch.Tensor) -> torch.Tensor:
-    """`l2n` in place, for temporaries: allocating a second feature-sized matrix costs more than the arithmetic."""
+def l2n_(x: torch.Tensor, chunk: int = 16384) -> torch.Tensor:
+    """`l2n` in place, for temporaries: allocating a second feature-sized matrix costs more than the arithmetic.
+
+    A 16-bit matrix is normalised ``chunk`` rows at a time in fp32 and stored back rounded.
+    """
+    if x.dtype in HALF and x.dim() == 2:
+        for r0 in range(0, x.shape[0], chunk):
+            x[r0:r0 + chunk] = l2n_(x[r0:r0 + chunk].float())
+        return x
     norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
     return x.mul_(torch.rsqrt(torch.clamp(norm * norm, min=EPS)))
 
@@ -50,19 +58,51 @@ def csr(m: torch.Tensor) -> torch.Tensor:
 
 
 def propagate(a_ee: torch.Tensor, aspect: AspectGraph, e0: torch.Tensor, steps: int) -> tuple[torch.Tensor, ...]:
-    """L steps of entity/aspect propagation; returns (E_bar N x (L+1)d, X_cat X x (L+1)d), both row-normalised."""
-    e, x = e0, torch.zeros(aspect.num_nodes, e0.shape[1], device=e0.device)
-    es, xs = [e], [x]
+    """L steps of entity/aspect propagation; returns (E_bar N x (L+1)d, X_cat X x (L+1)d), both row-normalised.
+
+    Each step is written into its column block of a preallocated ``E_bar`` and read from there by the next step (no
+    list of steps and no concatenated copy, which held ``E_bar`` twice at the end of the last step), and the aspect
+    term is accumulated into the entity product in place (``addmm_``) rather than through an N x d temporary.
+    """
+    n, d = e0.shape
+    width = (steps + 1) * d
+    e_bar = torch.empty(n, width, dtype=e0.dtype, device=e0.device)
+    x_cat = torch.zeros(aspect.num_nodes, width, dtype=e0.dtype, device=e0.device)
+    e_bar[:, :d] = e0
     # CSR times a dense matrix is faster than coalesced COO for these products (bench/tea/README.md): convert once
     # here and reuse the CSR matrices in every step.
     a_ee, x_from_head, x_to_tail = (csr(m) for m in (a_ee, aspect.x_from_head, aspect.x_to_tail))
-    for _ in range(steps):
-        x_new = l2n_(x_from_head @ e)  # aspect nodes gather from their head entities
-        e_new = l2n_((a_ee @ e).add_(x_to_tail @ x))  # entities gather from neighbours (+ self) and aspect nodes
-        e, x = e_new, x_new
-        es.append(e)
-        xs.append(x)
-    return l2n_(torch.cat(es, dim=1)), l2n_(torch.cat(xs, dim=1))
+    for s in range(1, steps + 1):
+        # the previous step is read in place from its block (the sparse products take the strided view as is)
+        e, x = e_bar[:, (s - 1) * d:s * d], x_cat[:, (s - 1) * d:s * d]
+        x_cat[:, s * d:(s + 1) * d] = l2n_(x_from_head @ e)  # aspect nodes gather from their head entities
+        # entities gather from neighbours (+ self) and aspect nodes
+        e_bar[:, s * d:(s + 1) * d] = l2n_((a_ee @ e).addmm_(x_to_tail, x.contiguous()))
+    return l2n_(e_bar), l2n_(x_cat)
+
+
+def gather_rows(x: torch.Tensor, rows: torch.Tensor, col0: int = 0, dtype: torch.dtype | None = None,
+                chunk: int = 16384) -> torch.Tensor:
+    """``x[rows, col0:]`` as a contiguous matrix in ``dtype`` (default: ``x``'s), gathered ``chunk`` rows at a time.
+
+    Same values as ``x[rows][:, col0:].to(dtype)``, without the full-width copy of the gathered rows and without
+    holding the narrower copy in ``x``'s dtype first.
+    """
+    src = x[:, col0:]
+    out = torch.empty(len(rows), src.shape[1], dtype=dtype or x.dtype, device=x.device)
+    for r0 in range(0, len(rows), chunk):
+        out[r0:r0 + chunk] = src.index_select(0, rows[r0:r0 + chunk])
+    return out
+
+
+def nonzero_rows(x: torch.Tensor, rows: torch.Tensor | None = None, chunk: int = 16384) -> torch.Tensor:
+    """Bool per row of ``x`` (or per entry of ``rows``): whether the row has a non-zero, in chunks of rows."""
+    n = x.shape[0] if rows is None else len(rows)
+    out = torch.empty(n, dtype=torch.bool, device=x.device)
+    for r0 in range(0, n, chunk):
+        block = x[r0:r0 + chunk] if rows is None else x.index_select(0, rows[r0:r0 + chunk])
+        out[r0:r0 + chunk] = (block != 0).any(dim=1)
+    return out
 
 
 @dataclass(frozen=True)
@@ -111,9 +151,10 @@ def triple_layout(graph: TKGGraph, aspect: AspectGraph, rows: torch.Tensor | Non
 
 def triple_view(graph: TKGGraph, aspect: AspectGraph, e_bar: torch.Tensor, x_cat: torch.Tensor, aspect_dim: int,
                 mini_dim: int, generator: torch.Generator, rows: torch.Tensor | None = None,
-                block: int = 64, label_dim: int | None = None,
+                block: int | None = None, label_dim: int | None = None,
                 matmul_dtype: torch.dtype = torch.float32, layout: TripleLayout | None = None,
-                first_hop: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                first_hop: tuple[torch.Tensor, torch.Tensor] | None = None,
+                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Relation/time-triple view: F_j[h] = sum_{(h,t)} W[(h,t), j] * (E_bar P_j)[t] for j < D, concatenated.
 
     ``W = T_x (X_cat Q)`` is the summed aspect embedding of every tuple, and each of the D columns gets its own random
@@ -127,7 +168,13 @@ def triple_view(graph: TKGGraph, aspect: AspectGraph, e_bar: torch.Tensor, x_cat
     materialised. With ``label_dim``, the first ``label_dim`` columns of ``E_bar`` are the normalised seed labels,
     which are zero outside the seeds: their share of ``Z`` is computed for the seed rows only. ``matmul_dtype`` is
     the dtype of the ``E_bar P`` products (bf16: inputs and outputs rounded to 8 mantissa bits, fp32 accumulation;
-    the sparse sums after them stay fp32).
+    the sparse sums after them stay fp32). ``out_dtype`` is the storage dtype of the result (fp16 halves the
+    features' memory; the sums and the row norms are computed in fp32 and only the stored values are rounded; a
+    result that would overflow fp16 is kept in fp32).
+
+    The work is split in two (`triple_operands`, then `triple_sums`) so that a caller can free ``E_bar`` and ``E0``
+    before the sums run: only the gathered tail rows are read after the first step. ``block`` projections are summed
+    at a time (default: as many as keep each ``|tails| x block * mini_dim`` fp32 block near 256 MB, at most 64).
 
     ``first_hop = (A_ee, E0)``, the adjacency and seed labels `propagate` started from (with ``label_dim``): the
     second block of ``E_bar`` is the normalised ``A_ee E0``, and ``E0`` is zero outside the labelled rows, so its
@@ -135,58 +182,120 @@ def triple_view(graph: TKGGraph, aspect: AspectGraph, e_bar: torch.Tensor, x_cat
     dense product over every tail. It pays while the labelled rows are fewer than the tails (early rounds) and the
     products run in fp32.
     """
+    ops = triple_operands(graph, aspect, e_bar, x_cat, aspect_dim, mini_dim, generator, rows, label_dim, matmul_dtype,
+                          layout, first_hop)
+    return triple_sums(ops, block, out_dtype)
+
+
+@dataclass
+class TripleOperands:
+    """What `triple_sums` reads: the random projections and the tail rows of ``E_bar``, gathered once.
+
+    ``e_tails`` holds ``E_bar``'s columns from ``col0`` on at ``layout.tails`` in the product dtype; with
+    ``sparse_rows`` the label block's non-zero rows (positions in the tails) are ``e_labels``, and with
+    ``hop_matrix`` the first propagated block is ``hop_matrix @ hop_labels`` (see `first_hop_matrix`).
+    """
+
+    layout: TripleLayout
+    xq: torch.Tensor  # X x D: the aspect nodes' embeddings times Q; W = tuple_x @ xq, built per block of columns
+    proj: torch.Tensor  # D x width x mini_dim
+    e_tails: torch.Tensor
+    col0: int
+    label_dim: int | None
+    matmul_dtype: torch.dtype
+    sparse_rows: torch.Tensor | None = None
+    e_labels: torch.Tensor | None = None
+    hop_matrix: torch.Tensor | None = None
+    hop_labels: torch.Tensor | None = None
+
+
+def triple_operands(graph: TKGGraph, aspect: AspectGraph, e_bar: torch.Tensor, x_cat: torch.Tensor,
+                    aspect_dim: int, mini_dim: int, generator: torch.Generator, rows: torch.Tensor | None = None,
+                    label_dim: int | None = None, matmul_dtype: torch.dtype = torch.float32,
+                    layout: TripleLayout | None = None,
+                    first_hop: tuple[torch.Tensor, torch.Tensor] | None = None) -> TripleOperands:
+    """The first step of `triple_view`: draws the projections and gathers what the sums need from ``E_bar``."""
     width = e_bar.shape[1]
     device = e_bar.device
     q = l2n(torch.randn(width, aspect_dim, generator=generator)).to(device)
     proj = l2n(torch.randn(aspect_dim, width, mini_dim, generator=generator)).to(device)
     if layout is None:
         layout = triple_layout(graph, aspect, rows)
-    w = layout.tuple_x @ (x_cat @ q)  # selected tuples x D
-    e_tails = e_bar[layout.tails]
-    sparse_rows = None
+    ops = TripleOperands(layout, x_cat @ q, proj, e_tails=e_bar[:0], col0=0, label_dim=label_dim,
+                         matmul_dtype=matmul_dtype)
+    tails = layout.tails
     if label_dim is not None and 0 < label_dim < width:
-        nz = torch.nonzero(e_tails[:, :label_dim].abs().amax(dim=1) > 0)[:, 0]
-        if len(nz) < 0.75 * len(e_tails):
-            sparse_rows = nz
-            e_labels = e_tails[nz, :label_dim].contiguous()
-            e_tails = e_tails[:, label_dim:].contiguous()
-    hop = None
+        nz = torch.nonzero(nonzero_rows(e_bar[:, :label_dim], tails))[:, 0]
+        if len(nz) < 0.75 * len(tails):
+            ops.sparse_rows = nz
+            ops.e_labels = gather_rows(e_bar[:, :label_dim], tails[nz], dtype=matmul_dtype)
+            ops.col0 = label_dim
     # Only for fp32 products: where they run in bf16 on bf16 units the dense product is cheaper than the sparse one.
-    if sparse_rows is not None and first_hop is not None and width >= 2 * label_dim and matmul_dtype == e_tails.dtype:
-        hop = first_hop_matrix(first_hop[0], first_hop[1], layout.tails, e_bar[layout.tails, label_dim:2 * label_dim])
+    if (ops.sparse_rows is not None and first_hop is not None and width >= 2 * label_dim
+            and matmul_dtype == e_bar.dtype):
+        hop = first_hop_matrix(first_hop[0], first_hop[1], tails, gather_rows(e_bar[:, :2 * label_dim], tails,
+                                                                               label_dim))
         if hop is not None:
-            hop_matrix, hop_rows = hop
-            hop_labels = first_hop[1][hop_rows]
-            e_tails = e_tails[:, label_dim:].contiguous()  # what is left dense: blocks 2..L
-    low = matmul_dtype != e_tails.dtype
-    if low:
-        e_tails = e_tails.to(matmul_dtype)
-        if sparse_rows is not None:
-            e_labels = e_labels.to(matmul_dtype)
-        if hop is not None:
-            hop_labels = hop_labels.to(matmul_dtype)
-    out = torch.empty(layout.n_out, aspect_dim * mini_dim, device=device)
+            ops.hop_matrix, hop_rows = hop
+            ops.hop_labels = first_hop[1][hop_rows].to(matmul_dtype)
+            ops.col0 = 2 * label_dim  # what is left dense: blocks 2..L
+    # only the columns multiplied densely, gathered straight into the product dtype
+    ops.e_tails = gather_rows(e_bar, tails, ops.col0, matmul_dtype)
+    return ops
+
+
+def triple_sums(ops: TripleOperands, block: int | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The second step of `triple_view`: the projected tails summed over the tuples, row-normalised."""
+    layout, proj, e_tails, col0, label_dim = ops.layout, ops.proj, ops.e_tails, ops.col0, ops.label_dim
+    aspect_dim, width, mini_dim = proj.shape
+    device = e_tails.device
+    if block is None:  # keep the fp32 blocks (z over the tails, the sums over the output rows) near 256 MB each
+        block = max(8, min(64, (1 << 26) // (max(len(layout.tails), layout.n_out, 1) * mini_dim)))
+    out = torch.empty(layout.n_out, aspect_dim * mini_dim, dtype=out_dtype, device=device)
+    # With a narrower out_dtype each column block is summed in fp32 into `buf` and stored rounded; the row norms are
+    # accumulated in fp32 on the way, and the rows are normalised at the end.
+    narrow = out_dtype != torch.float32
+    if narrow:
+        buf = torch.empty(layout.n_out, min(block, aspect_dim) * mini_dim, device=device)
+        sumsq = torch.zeros(layout.n_out, device=device)
+    low = ops.matmul_dtype != torch.float32
     for j0 in range(0, aspect_dim, block):
         j1 = min(j0 + block, aspect_dim)
         p = proj[j0:j1].permute(1, 0, 2).reshape(width, (j1 - j0) * mini_dim)
         if low:
-            p = p.to(matmul_dtype)
-        if sparse_rows is None:
-            z = e_tails @ p  # |tails| x (b * mini_dim)
-        elif hop is None:
-            z = e_tails @ p[label_dim:]
-            z.index_add_(0, sparse_rows, e_labels @ p[:label_dim])
-        else:
-            z = e_tails @ p[2 * label_dim:]
-            z.index_add_(0, sparse_rows, e_labels @ p[:label_dim])
+            p = p.to(ops.matmul_dtype)
+        z = e_tails @ p[col0:]  # |tails| x (b * mini_dim)
+        if ops.sparse_rows is not None:
+            z.index_add_(0, ops.sparse_rows, ops.e_labels @ p[:label_dim])
+        if ops.hop_matrix is not None:
             if z.dtype != torch.float32:
                 z = z.float()
-            z.addmm_(hop_matrix, (hop_labels @ p[label_dim:2 * label_dim]).float())  # c * A (E0 P) over the labels
+            # c * A (E0 P) over the labels
+            z.addmm_(ops.hop_matrix, (ops.hop_labels @ p[label_dim:2 * label_dim]).float())
         if z.dtype != torch.float32:
             z = z.float()  # the sparse sums run in fp32
-        weighted_segment_sum(layout.crow, layout.tail_pos, w[:, j0:j1], z, mini_dim,
-                             out[:, j0 * mini_dim:j1 * mini_dim])
-    return l2n_(out)
+        w = layout.tuple_x @ ops.xq[:, j0:j1].contiguous()  # selected tuples x b
+        cols = slice(j0 * mini_dim, j1 * mini_dim)
+        if not narrow:
+            weighted_segment_sum(layout.crow, layout.tail_pos, w, z, mini_dim, out[:, cols])
+            continue
+        part = buf[:, :(j1 - j0) * mini_dim]
+        weighted_segment_sum(layout.crow, layout.tail_pos, w, z, mini_dim, part)
+        del z, w
+        norms = torch.linalg.vector_norm(part, dim=1)  # a row's norm bounds each of its entries
+        if float(norms.max()) > 0.5 * torch.finfo(out_dtype).max:  # could overflow: keep fp32 from here on
+            out, narrow = out.float(), False
+            out[:, cols] = part
+            continue
+        sumsq.add_(norms.square_())
+        out[:, cols] = part
+    if not narrow:
+        return l2n_(out)
+    scale = torch.rsqrt(torch.clamp(sumsq, min=EPS))
+    for r0 in range(0, layout.n_out, 16384):
+        rows_ = slice(r0, r0 + 16384)
+        out[rows_] = out[rows_].float().mul_(scale[rows_, None])
+    return out
 
 
 def first_hop_matrix(a_ee: torch.Tensor, e0: torch.Tensor, tails: torch.Tensor, e1_tails: torch.Tensor,

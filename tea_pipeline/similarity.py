@@ -14,6 +14,22 @@ import torch
 from .kernels import csr_entries, dice_candidates, gathered_dot, topk_rows
 
 
+def work_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype scores of ``x``'s rows are computed and returned in: fp32 for fp16 storage (CPUs multiply fp16
+    slowly), else ``x``'s own."""
+    return torch.float32 if x.dtype == torch.float16 else x.dtype
+
+
+def project_rows(x: torch.Tensor, basis: torch.Tensor, dtype: torch.dtype, block: int = 16384) -> torch.Tensor:
+    """``x @ basis`` with both operands in ``dtype``, ``block`` rows at a time (no full-width converted copy of
+    ``x``); the result is in ``dtype``."""
+    b = basis.to(dtype)
+    out = torch.empty(x.shape[0], basis.shape[1], dtype=dtype, device=x.device)
+    for r0 in range(0, x.shape[0], block):
+        torch.matmul(x[r0:r0 + block].to(dtype), b, out=out[r0:r0 + block])
+    return out
+
+
 @dataclass
 class TopK:
     values: torch.Tensor  # rows x k
@@ -28,9 +44,12 @@ def blocked_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: in
     With ``masked_rows`` (bool, rows) and ``allowed_cols`` (bool, columns), the same block products also give the
     top-``masked_k`` of the masked rows over the allowed columns only, so the pseudo-seed search of a round costs no
     second matrix product. With ``matmul_dtype`` (e.g. bf16) the block products and the top-k selection run in that
-    dtype (exact only up to its rounding; the returned values are in ``left``'s dtype).
+    dtype (exact only up to its rounding; the returned values are in `work_dtype` of ``left``: its own dtype, fp32
+    for fp16 storage).
     """
-    out_dtype = left.dtype
+    out_dtype = work_dtype(left)
+    if matmul_dtype is None and left.dtype != out_dtype:  # fp16 storage: multiply in fp32
+        matmul_dtype = out_dtype
     if matmul_dtype is not None and matmul_dtype != left.dtype:
         left, right = left.to(matmul_dtype), right.to(matmul_dtype)
     n = left.shape[0]
@@ -108,19 +127,18 @@ def principal_basis(left: torch.Tensor, right: torch.Tensor, rank: int, generato
     ``matmul_dtype`` the Gram product (the one large product here) takes inputs in that dtype.
     """
     dim = left.shape[1]
+    work = work_dtype(left)
     if rank >= dim:
-        return torch.eye(dim, dtype=left.dtype, device=left.device)
+        return torch.eye(dim, dtype=work, device=left.device)
     picks = []
     for side in (left, right):
         n = side.shape[0]
         take = torch.randperm(n, generator=generator)[: min(n, sample_rows)].to(side.device)
         picks.append(side[take])
-    sample = torch.cat(picks)
-    if matmul_dtype is not None and matmul_dtype != sample.dtype:
-        sample = sample.to(matmul_dtype)
-    gram = (sample.T @ sample).to(left.dtype)
+    sample = torch.cat(picks).to(matmul_dtype or work)
+    gram = (sample.T @ sample).to(work)
     width = min(dim, rank + 16)
-    basis = torch.linalg.qr(gram @ torch.randn(dim, width, generator=generator).to(left)).Q
+    basis = torch.linalg.qr(gram @ torch.randn(dim, width, generator=generator).to(gram)).Q
     for _ in range(iterations):
         basis = torch.linalg.qr(gram @ basis).Q
     evals, evecs = torch.linalg.eigh(basis.T @ gram @ basis)
@@ -167,21 +185,19 @@ def lowrank_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: in
     floating-point rounding. ``matmul_dtype`` (e.g. bf16) is used for the projections and the search; the
     re-scoring then reads the candidate rows stored as fp16 (the gather is memory-bound, so half the bytes; on
     unit-norm features the rounding error this adds to a score is small next to the Sinkhorn temperature, see
-    bench/tea/README.md) and computes in ``left``'s dtype.
+    bench/tea/README.md) and computes in ``left``'s dtype. Features stored in fp16 (`LightTEAConfig.feature_dtype`)
+    are projected a block of rows at a time, re-scored as stored, and scored in fp32.
     """
     basis = principal_basis(left, right, rank, generator, matmul_dtype=matmul_dtype)
-    low = matmul_dtype is not None and matmul_dtype != left.dtype
-    if low:
-        lb = basis.to(matmul_dtype)
-        pl, pr = left.to(matmul_dtype) @ lb, right.to(matmul_dtype) @ lb
-    else:
-        pl, pr = left @ basis, right @ basis
+    work = work_dtype(left)
+    low = matmul_dtype is not None and matmul_dtype != left.dtype and matmul_dtype != work
+    pl, pr = (project_rows(x, basis, matmul_dtype or work, block_rows) for x in (left, right))
     full, masked = blocked_topk(pl, pr, k, block_rows, masked_rows, allowed_cols, masked_k)
     del pl, pr
-    if low:  # the search's values come back in bf16; re-scoring and Sinkhorn work in left's dtype
-        full = TopK(full.values.to(left.dtype), full.index)
-        if masked is not None:
-            masked = TopK(masked.values.to(left.dtype), masked.index)
+    # the search's values come back in the projection dtype; re-scoring and Sinkhorn work in fp32 (or left's dtype)
+    full = TopK(full.values.to(work), full.index)
+    if masked is not None:
+        masked = TopK(masked.values.to(work), masked.index)
     stored = right.to(torch.float16) if low and rescore > 0 else right
     full = rescore_topk(left, stored, full, rescore)
     if masked is not None:
@@ -199,7 +215,8 @@ def candidate_recall(left: torch.Tensor, right: torch.Tensor, found: TopK, rows:
     exact top-k.
     """
     k = found.index.shape[1]
-    sims = left[rows] @ right.T
+    work = work_dtype(left)
+    sims = left[rows].to(work) @ right.to(work).T
     if allowed_cols is not None:
         sims[:, ~allowed_cols] = float("-inf")
     exact = torch.topk(sims, k, dim=1)

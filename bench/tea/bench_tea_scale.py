@@ -3,8 +3,10 @@
 Each (size, search) run is a fresh process: it builds `tea_pipeline.synthetic.make_scaled_pair(scale)` (entities,
 facts, time stamps and seeds in YAGO-WIKI50K's proportions, alignment known) and aligns it with the default
 `LightTEAConfig` except for ``candidate_search``. A sampler thread reads the process's RSS every 20 ms and keeps the
-peak per engine stage (`LightTEA.current_stage`); the run also records per-stage seconds, the whole wall time
-(generation + alignment; interpreter start and imports are reported separately), H@1/H@10/MRR and the search used.
+peak per engine stage (`LightTEA.current_stage`), and on glibc also the peak of the bytes the allocator holds for
+live allocations (``stage_peak_live_gb``: RSS also counts freed memory kept for reuse); the run also records
+per-stage seconds, the whole wall time (generation + alignment; interpreter start and imports are reported
+separately), H@1/H@10/MRR, the search used and the features' storage dtype.
 
 The main series runs ``--search`` (default ``auto``: faiss from ``faiss_min_rows`` test pairs on, exact below). At
 ``--exact-sizes`` the scalable search (``--scalable-search``, default faiss) and the exact one
@@ -44,6 +46,30 @@ def rss_gb() -> float:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
 
 
+def malloc_live_gb():
+    """A function returning the bytes glibc's allocator holds for live allocations (GB), or None off glibc.
+
+    RSS also counts freed memory the allocator keeps for reuse (`LightTEAConfig.reuse_freed_memory`); the live
+    bytes say what the tensors themselves hold."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = MallInfo2
+    except (OSError, AttributeError):
+        return None
+
+    def live() -> float:
+        m = libc.mallinfo2()
+        return (m.uordblks + m.hblkhd) / 2**30
+
+    return live
+
+
 def cpu_info() -> dict:
     model, flags = platform.processor(), set()
     try:
@@ -70,12 +96,16 @@ def child(scale: float, search: str, seed: int, rounds: int, nprobe: int | None)
 
     imports_s = time.perf_counter() - t_import
     peaks: dict[str, float] = {}
+    live_peaks: dict[str, float] = {}
+    live = malloc_live_gb()
     state = {"stage": "generate", "stop": False}
 
     def sample() -> None:
         while not state["stop"]:
             stage = state["stage"] if state["stage"] != "fit" else (model.current_stage or "other")
             peaks[stage] = max(peaks.get(stage, 0.0), rss_gb())
+            if live is not None:
+                live_peaks[stage] = max(live_peaks.get(stage, 0.0), live())
             time.sleep(0.02)
 
     model = None
@@ -100,6 +130,8 @@ def child(scale: float, search: str, seed: int, rounds: int, nprobe: int | None)
         "wall_s": round(gen_s + fit_s, 2), "generate_s": round(gen_s, 2), "fit_s": round(fit_s, 2),
         "imports_s": round(imports_s, 2), "process_s": round(time.perf_counter() - T_START, 2),
         "stage_s": result.timings, "stage_peak_rss_gb": {k: round(v, 3) for k, v in peaks.items()},
+        "stage_peak_live_gb": {k: round(v, 3) for k, v in live_peaks.items()},
+        "feature_dtype": result.config["feature_dtype_used"],
         "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
         "final": result.final, "rounds": [r.as_dict() for r in result.rounds],
         "threads": torch.get_num_threads(), "torch": torch.__version__,

@@ -1,0 +1,180 @@
+"""tea_pipeline's memory-saving paths against the computations they replace, on small generated data.
+
+* `propagate` writing into a preallocated ``E_bar`` equals the list-and-concatenate version;
+* the chunked gathers (`gather_rows`, `nonzero_rows`) equal plain indexing;
+* the triple view stored in fp16 equals the fp32 one up to fp16 rounding, and falls back to fp32 where fp16 would
+  overflow;
+* fp16-stored features are searched and re-scored in fp32 (scores, values), native and PyTorch paths alike;
+* a whole run with fp16 features aligns like one with fp32 features, and the config validates the field;
+* the faiss search (skipped without faiss) reads fp16 features like fp32 ones.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tea_pipeline.ann as ann
+from tea_pipeline import LightTEA, LightTEAConfig, build_graph, l2n, make_synthetic_pair, propagate, triple_view
+from tea_pipeline.kernels import gathered_dot
+from tea_pipeline.propagation import csr, gather_rows, l2n_, nonzero_rows, seed_labels
+from tea_pipeline.similarity import blocked_topk, lowrank_topk, project_rows
+
+FAST = {"dim": 96, "top_k": 40, "aspect_dim": 8, "mini_dim": 4}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    return make_synthetic_pair(num_entities=300, num_times=25, seed=3)
+
+
+def _propagate_with_concat(a_ee, aspect, e0, steps):
+    """The earlier `propagate`: every step kept in a list, concatenated at the end."""
+    e, x = e0, torch.zeros(aspect.num_nodes, e0.shape[1])
+    es, xs = [e], [x]
+    a_ee, x_from_head, x_to_tail = (csr(m) for m in (a_ee, aspect.x_from_head, aspect.x_to_tail))
+    for _ in range(steps):
+        x_new = l2n_(x_from_head @ e)
+        e_new = l2n_((a_ee @ e).add_(x_to_tail @ x))
+        e, x = e_new, x_new
+        es.append(e)
+        xs.append(x)
+    return l2n_(torch.cat(es, dim=1)), l2n_(torch.cat(xs, dim=1))
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3])
+def test_preallocated_propagation_equals_concatenation(small_pair, steps: int) -> None:
+    g = build_graph(small_pair)
+    e0 = seed_labels(g.num_entities, torch.from_numpy(small_pair.seeds), 24, torch.Generator().manual_seed(0))
+    for aspect in (g.relation, g.time):
+        got = propagate(g.entity_entity, aspect, e0, steps)
+        want = _propagate_with_concat(g.entity_entity, aspect, e0, steps)
+        for a, b in zip(got, want):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_chunked_gathers_equal_plain_indexing() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(97, 30, generator=gen)
+    x[::7] = 0
+    rows = torch.randint(0, 97, (61,), generator=gen)
+    for col0, dtype in ((0, None), (12, None), (12, torch.bfloat16), (29, torch.float16)):
+        got = gather_rows(x, rows, col0, dtype, chunk=8)
+        assert torch.equal(got, x[rows][:, col0:].to(dtype or x.dtype)) and got.is_contiguous()
+    assert torch.equal(nonzero_rows(x, chunk=5), x.abs().amax(dim=1) > 0)
+    assert torch.equal(nonzero_rows(x, rows, chunk=5), x[rows].abs().amax(dim=1) > 0)
+
+
+def test_fp16_l2n_normalises_in_fp32() -> None:
+    x = torch.randn(50, 16, generator=torch.Generator().manual_seed(1)) * 100
+    x[3] = 0
+    got = l2n_(x.half(), chunk=7)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.float(), l2n(x.half().float()), rtol=0, atol=1e-3)
+
+
+def _views(pair, seed=0):
+    g = build_graph(pair)
+    gen = torch.Generator().manual_seed(seed)
+    e0 = l2n(torch.randn(g.num_entities, 16, generator=gen))
+    e_bar, x_cat = propagate(g.entity_entity, g.time, e0, steps=2)
+    rows = torch.from_numpy(pair.test.reshape(-1))
+    return g, e_bar, x_cat, rows
+
+
+def test_fp16_triple_view_is_fp32_up_to_fp16_rounding(small_pair) -> None:
+    g, e_bar, x_cat, rows = _views(small_pair)
+    kw = {"aspect_dim": 10, "mini_dim": 4, "rows": rows, "block": 3}
+    want = triple_view(g, g.time, e_bar, x_cat, generator=torch.Generator().manual_seed(5), **kw)
+    got = triple_view(g, g.time, e_bar, x_cat, generator=torch.Generator().manual_seed(5), out_dtype=torch.float16,
+                      **kw)
+    assert got.dtype == torch.float16 and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want, rtol=0, atol=2e-3)
+    # raw sums beyond fp16's range (here: labels scaled by 1e6) keep the result in fp32, with the same values
+    big = triple_view(g, g.time, e_bar * 1e6, x_cat, generator=torch.Generator().manual_seed(5),
+                      out_dtype=torch.float16, **kw)
+    assert big.dtype == torch.float32
+    torch.testing.assert_close(big, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_gathered_dot_widens_fp16_left_rows(native: bool) -> None:
+    gen = torch.Generator().manual_seed(2)
+    left, right = l2n(torch.randn(40, 24, generator=gen)).half(), l2n(torch.randn(33, 24, generator=gen)).half()
+    index = torch.randint(0, 33, (40, 6), generator=gen)
+    rows = torch.randint(0, 40, (40,), generator=gen)
+    for r in (None, rows):
+        got = gathered_dot(left, right, index, r, native=native)
+        lr = left.float() if r is None else left.float()[r]
+        want = (right.float()[index] * lr[:, None, :]).sum(-1)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fp16_features_search_and_rescore_in_fp32() -> None:
+    gen = torch.Generator().manual_seed(3)
+    left, right = l2n(torch.randn(120, 48, generator=gen)), l2n(torch.randn(90, 48, generator=gen))
+    basis = torch.linalg.qr(torch.randn(48, 20, generator=gen)).Q
+    torch.testing.assert_close(project_rows(left.half(), basis, torch.float32, block=7), left.half().float() @ basis)
+    exact, _ = blocked_topk(left, right, 10, 32)
+    half, _ = blocked_topk(left.half(), right.half(), 10, 32)
+    assert half.values.dtype == torch.float32
+    assert (half.index[:, 0] == exact.index[:, 0]).float().mean() > 0.97
+    masked_rows = torch.rand(120, generator=gen) < 0.5
+    allowed = torch.rand(90, generator=gen) < 0.7
+    for dtype in (None, torch.bfloat16):
+        want, want_m = lowrank_topk(left, right, 10, 32, 48, 10, torch.Generator().manual_seed(0), masked_rows,
+                                    allowed, 8, matmul_dtype=dtype)
+        got, got_m = lowrank_topk(left.half(), right.half(), 10, 32, 48, 10, torch.Generator().manual_seed(0),
+                                  masked_rows, allowed, 8, matmul_dtype=dtype)
+        for a, b in ((got, want), (got_m, want_m)):
+            assert a.values.dtype == torch.float32
+            assert (a.index[:, 0] == b.index[:, 0]).float().mean() > 0.95
+            torch.testing.assert_close(a.values[:, 0], b.values[:, 0], rtol=0, atol=2e-3)
+
+
+def test_fp16_and_fp32_features_align_the_synthetic_pair_alike() -> None:
+    pair = make_synthetic_pair(num_entities=700, seed=2)
+    runs = {}
+    for dtype in ("float32", "float16"):
+        cfg = LightTEAConfig(**FAST, candidate_dim=16, rescore_top=20, feature_dtype=dtype, rounds=2)
+        runs[dtype] = LightTEA(cfg).fit(pair)
+        assert runs[dtype].config["feature_dtype_used"] == dtype
+    assert abs(runs["float16"].final["hits@1"] - runs["float32"].final["hits@1"]) <= 0.01
+    assert runs["float32"].final["hits@1"] > 0.8
+    # auto: fp16 when the subspace search runs, fp32 for the exact full-width search and in reference mode
+    assert LightTEA(LightTEAConfig(**FAST, candidate_dim=16)).feature_dtype(8) == torch.float16
+    assert LightTEA(LightTEAConfig(**FAST, candidate_dim=None)).feature_dtype(8) == torch.float32
+    assert LightTEA(LightTEAConfig(**FAST, reference_compat=True)).feature_dtype(8) == torch.float32
+
+
+def test_feature_dtype_config() -> None:
+    assert LightTEAConfig(feature_dtype="FP16").feature_dtype == "float16"
+    with pytest.raises(ValueError, match="feature_dtype"):
+        LightTEAConfig(feature_dtype="int8")
+
+
+@pytest.mark.skipif(not ann.faiss_available(), reason="faiss not installed (extra [scale])")
+def test_ivf_search_of_fp16_features_equals_fp32_when_every_list_is_probed() -> None:
+    gen = torch.Generator().manual_seed(4)
+    left = l2n(torch.randn(600, 40, generator=gen))
+    right = l2n(left + 0.5 * torch.randn(600, 40, generator=gen) / 40**0.5)
+    masked_rows, allowed = torch.rand(600, generator=gen) < 0.5, torch.rand(600, generator=gen) < 0.6
+    runs = [ann.ivf_topk(x, y, 12, 128, 24, 12, torch.Generator().manual_seed(0), masked_rows, allowed, 6, nlist=8,
+                     nprobe=8) for x, y in ((left, right), (left.half(), right.half()))]
+    (full32, masked32), (full16, masked16) = runs
+    for a, b in ((full16, full32), (masked16, masked32)):
+        assert a.values.dtype == torch.float32
+        assert (a.index[:, 0] == b.index[:, 0]).float().mean() > 0.98
+        torch.testing.assert_close(a.values[:, 0], b.values[:, 0], rtol=0, atol=2e-3)
+    truth = torch.arange(600)
+    assert (full16.index[:, 0] == truth).float().mean() > 0.95  # the planted matches are found
