@@ -86,7 +86,8 @@ class LightTEAConfig:
             ``mini_dim * aspect_dim``): ``"float16"`` halves them (sums, norms, products and scores still run in
             fp32; only the stored values are rounded), ``"float32"`` keeps them full width, ``"auto"`` stores fp16
             when the subspace search is used (``candidate_dim`` below the feature width), whose candidates are
-            re-scored from fp16 rows anyway, and fp32 otherwise; ``reference_compat=True`` always keeps fp32.
+            re-scored from fp16 rows anyway, and a feature matrix would take at least
+            `engine.FP16_FEATURES_MIN_BYTES` in fp32, and fp32 otherwise; ``reference_compat=True`` always keeps fp32.
         candidate_search (`str`, *optional*, defaults to `"auto"`):
             How the top-k candidates are searched: ``"exact"`` (PyTorch blocked search, quadratic in the test pairs;
             in the principal subspace when ``candidate_dim`` is set), ``"faiss"`` (an inverted-file index over the

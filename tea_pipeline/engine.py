@@ -42,6 +42,10 @@ from .sinkhorn import sparse_sinkhorn
 
 logger = logging.getLogger(__name__)
 
+FP16_FEATURES_MIN_BYTES = 768 << 20
+"""``feature_dtype="auto"`` stores fp16 features from this many bytes of one fp32 feature matrix (entities x feature
+width): a YAGO-WIKI50K-sized pair and larger, not YAGO-WIKI20K (bench/tea/README.md has the time and memory of both)."""
+
 
 @dataclass
 class RoundMetrics:
@@ -176,15 +180,19 @@ class LightTEA:
             return "exact"
         return "faiss"
 
-    def feature_dtype(self, aspect_dim: int) -> torch.dtype:
-        """Storage dtype of the features (see `LightTEAConfig.feature_dtype`)."""
+    def feature_dtype(self, aspect_dim: int, num_entities: int) -> torch.dtype:
+        """Storage dtype of the features (see `LightTEAConfig.feature_dtype`). ``auto`` halves them only where they
+        are large (`FP16_FEATURES_MIN_BYTES` of fp32 per feature matrix): the widening and rounding cost time on every
+        pass, which small runs, far from any memory limit, should not pay."""
         cfg = self.config
         if cfg.reference_compat or cfg.feature_dtype == "float32":
             return torch.float32
         if cfg.feature_dtype == "float16":
             return torch.float16
         width = aspect_dim * cfg.mini_dim * (2 if cfg.fusion == "concat" else 1)
-        return torch.float16 if cfg.candidate_dim is not None and cfg.candidate_dim < width else torch.float32
+        subspace = cfg.candidate_dim is not None and cfg.candidate_dim < width
+        large = num_entities * width * 4 >= FP16_FEATURES_MIN_BYTES
+        return torch.float16 if subspace and large else torch.float32
 
     def unknown_time_id(self, pair: TKGPair) -> int | None:
         if self.config.reference_compat:
@@ -206,7 +214,7 @@ class LightTEA:
         compat = cfg.reference_compat
         aspect_dim = self.aspect_dim(pair)
         low = torch.float32 if compat else matmul_dtype(cfg.matmul_precision, device)
-        store = self.feature_dtype(aspect_dim)
+        store = self.feature_dtype(aspect_dim, pair.num_entities)
         bar = self._bar = _progress(progress, cfg.rounds)
         self._round = 0
 

@@ -16,6 +16,7 @@ import torch
 
 import tea_pipeline.ann as ann
 from tea_pipeline import LightTEA, LightTEAConfig, build_graph, l2n, make_synthetic_pair, propagate, triple_view
+from tea_pipeline.engine import FP16_FEATURES_MIN_BYTES
 from tea_pipeline.kernels import gathered_dot
 from tea_pipeline.propagation import csr, gather_rows, l2n_, nonzero_rows, seed_labels
 from tea_pipeline.similarity import blocked_topk, lowrank_topk, project_rows
@@ -151,10 +152,13 @@ def test_fp16_and_fp32_features_align_the_synthetic_pair_alike() -> None:
         assert runs[dtype].config["feature_dtype_used"] == dtype
     assert abs(runs["float16"].final["hits@1"] - runs["float32"].final["hits@1"]) <= 0.01
     assert runs["float32"].final["hits@1"] > 0.8
-    # auto: fp16 when the subspace search runs, fp32 for the exact full-width search and in reference mode
-    assert LightTEA(LightTEAConfig(**FAST, candidate_dim=16)).feature_dtype(8) == torch.float16
-    assert LightTEA(LightTEAConfig(**FAST, candidate_dim=None)).feature_dtype(8) == torch.float32
-    assert LightTEA(LightTEAConfig(**FAST, reference_compat=True)).feature_dtype(8) == torch.float32
+    # auto: fp16 when the subspace search runs on large features, fp32 for small ones, for the exact full-width
+    # search and in reference mode
+    big = FP16_FEATURES_MIN_BYTES // (8 * FAST.get("mini_dim", 16) * 4) + 1  # entities whose fp32 features reach it
+    assert LightTEA(LightTEAConfig(**FAST, candidate_dim=16)).feature_dtype(8, big) == torch.float16
+    assert LightTEA(LightTEAConfig(**FAST, candidate_dim=16)).feature_dtype(8, big // 2) == torch.float32
+    assert LightTEA(LightTEAConfig(**FAST, candidate_dim=None)).feature_dtype(8, big) == torch.float32
+    assert LightTEA(LightTEAConfig(**FAST, reference_compat=True)).feature_dtype(8, big) == torch.float32
 
 
 def test_feature_dtype_config() -> None:
