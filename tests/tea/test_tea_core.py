@@ -29,19 +29,7 @@ from tea_pipeline import (
 from tea_pipeline.engine import _evaluate
 from tea_pipeline.graph import fact_times
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # The CI machine is shared; one intra-op thread avoids OpenMP spin-waits on oversubscribed cores.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def small_pair() -> TKGPair:
-    return make_synthetic_pair(num_entities=300, num_times=25, seed=3)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ----------------------------------------------------------------------------------------------- Sinkhorn

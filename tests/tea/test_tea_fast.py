@@ -31,17 +31,7 @@ from tea_pipeline.similarity import (
 FAST = {"dim": 96, "top_k": 40, "aspect_dim": 8, "mini_dim": 4}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def small_pair():
-    return make_synthetic_pair(num_entities=300, num_times=25, seed=3)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _loop_triple_view(g, aspect, e_bar, x_cat, aspect_dim, mini_dim, seed):
