@@ -176,6 +176,19 @@ class MultiNodeRun:
                 raise MultiNodeError(message)
             time.sleep(0.05)
 
+    def wait_for_log(self, node: int, text: str, timeout: float) -> None:
+        """Block until ``text`` appears in ``node``'s agent stderr (an agent event, e.g. a worker failure it saw);
+        raise `MultiNodeError` with every node's tail if ``timeout`` passes first."""
+        deadline = time.perf_counter() + timeout
+        path = self.logdir / f"node{node}.err"
+        while text not in path.read_text(errors="replace"):
+            if time.perf_counter() > deadline:
+                message = f"waiting for {text!r} in node {node}'s log: not within {timeout:.0f}s.\n"
+                message += self._tails(range(len(self.procs)))
+                self.close()
+                raise MultiNodeError(message)
+            time.sleep(0.05)
+
     def wait(self, timeout: float) -> list[AgentResult]:
         """Wait for every agent; raise `MultiNodeError` on a failed agent or a timeout, else return the results."""
         failed_at = None
@@ -200,9 +213,11 @@ class MultiNodeRun:
         failed = [r for r in results if r.node not in running and r.returncode != 0]
         if failed:
             first = min(failed, key=lambda r: r.wall_s)
+            others = [n for n in nodes if n != first.node]
             raise MultiNodeError(
                 f"node {first.node}'s agent ({self.launcher}) failed with exit code {first.returncode} (failed "
-                f"nodes: {[r.node for r in failed]}, killed: {running}); its stderr tail:\n{first.stderr[-4000:]}")
+                f"nodes: {[r.node for r in failed]}, killed: {running}); its stderr tail:\n{first.stderr[-4000:]}"
+                + (f"\n{self._tails(others, results)}" if others else ""))
         if running:
             raise MultiNodeError(
                 f"{self.launcher} run exceeded its timeout (run {timeout:.0f}s, agent {self.agent_timeout:.0f}s); "

@@ -16,7 +16,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -131,14 +130,6 @@ def test_antdt_job_on_two_nodes_every_sample_once_as_on_one_node(cluster, tmp_pa
     assert single.status["counts"] == status["counts"]
 
 
-def _wait_for_text(path: Path, text: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while text not in (path.read_text(errors="replace") if path.exists() else ""):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{text!r} not in {path} within {timeout:.0f}s")
-        time.sleep(0.1)
-
-
 @pytest.mark.timeout(360)
 @pytest.mark.parametrize("rejoin", ["at_once", "after_node0_restarted"])
 def test_killed_node_agent_rejoins_and_the_antdt_job_loses_nothing(cluster, tmp_path, rejoin):
@@ -162,7 +153,7 @@ def test_killed_node_agent_rejoins_and_the_antdt_job_loses_nothing(cluster, tmp_
         run.kill_node(1)
         if rejoin == "after_node0_restarted":
             # node 0's worker loses its peer in the step's all-reduce and exits; its agent logs the failure
-            _wait_for_text(run.logdir / "node0.err", "failed (exitcode", timeout=60)
+            run.wait_for_log(0, "failed (exitcode", timeout=60)
         run.restart_agent(1)
         run.wait(timeout=240)
         status = svc.status()

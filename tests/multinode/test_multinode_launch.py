@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _multinode_common import sample
+from _multinode_common import COLLECTIVE_TIMEOUT_S, sample
 
 from hf_placement.testing import AgentResult, MultiNodeCluster, MultiNodeError, skip_unless_available
 from paro_zero_backend.testing import make_batches, max_rel_diff, reference_run, tiny_gpt2
@@ -132,6 +132,9 @@ def test_killed_node_agent_rejoins_and_the_job_reforms(cluster, tmp_path):
         nproc_per_node=1, max_restarts=1, agent_timeout=150)
     run.wait_for(marker, timeout=90)
     run.kill_node(1)
+    # the replacement arrives after node 0's agent has seen its worker fail (as a new machine would): it joins a
+    # fresh round instead of racing the dead node's heartbeat into the full, still-complete one
+    run.wait_for_log(0, "failed (exitcode", timeout=COLLECTIVE_TIMEOUT_S + 15)
     run.restart_agent(1)
     agents = run.wait(timeout=150)
     (report,) = [r for a in agents for r in a.json_lines() if r.get("rank") == 0]
