@@ -23,7 +23,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from .similarity import TopK, exact_scores, principal_basis, work_dtype
+from .similarity import TopK, exact_scores, principal_basis, project_rows, work_dtype
 
 __all__ = ["default_nlist", "faiss_available", "ivf_topk"]
 
@@ -45,15 +45,6 @@ def faiss_available() -> bool:
 def default_nlist(n: int) -> int:
     """Inverted lists for ``n`` indexed rows: about ``4 sqrt(n)``, with at least ~40 rows per list to train on."""
     return max(1, min(int(4 * math.sqrt(n)), n // 40))
-
-
-def _project(x: torch.Tensor, basis: torch.Tensor, dtype: torch.dtype | None, block: int) -> np.ndarray:
-    """``x @ basis`` as a contiguous fp32 numpy array, ``block`` rows at a time (no full-width copy of ``x``)."""
-    out = np.empty((x.shape[0], basis.shape[1]), dtype=np.float32)
-    b = basis if dtype is None else basis.to(dtype)
-    for r0 in range(0, x.shape[0], block):
-        out[r0:r0 + block] = x[r0:r0 + block].to(b.dtype).matmul(b).float().cpu().numpy()
-    return out
 
 
 def _search(index, queries: np.ndarray, k: int, block: int) -> tuple[TopK, torch.Tensor]:
@@ -110,8 +101,9 @@ def ivf_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: int, r
         basis = principal_basis(left, right, rank, generator, matmul_dtype=matmul_dtype)
     else:
         basis = torch.eye(dim, dtype=work_dtype(left))
-    pl = _project(left, basis, matmul_dtype if low else None, block_rows)
-    pr = _project(right, basis, matmul_dtype if low else None, block_rows)
+    # faiss reads contiguous fp32 numpy rows
+    pl, pr = (project_rows(x, basis, matmul_dtype if low else basis.dtype, block_rows, torch.float32).cpu().numpy()
+              for x in (left, right))
     n_right, width = pr.shape
     k = min(k, n_right)
     nlist = min(nlist or default_nlist(n_right), n_right)

@@ -81,9 +81,11 @@ def gathered_dot(left: torch.Tensor, right: torch.Tensor, index: torch.Tensor, r
             return kernel.gathered_dot(left, right, index, None if rows is None else rows.contiguous())
         # fp16 left rows: widened to fp32 a chunk of rows at a time
         out = torch.empty(index.shape, dtype=work, device=left.device)
-        for r0 in range(0, index.shape[0], 8192):
-            lrows = left[r0:r0 + 8192] if rows is None else left[rows[r0:r0 + 8192]]
-            out[r0:r0 + 8192] = kernel.gathered_dot(lrows.float(), right, index[r0:r0 + 8192], None)
+        step = 8192
+        for r0 in range(0, index.shape[0], step):
+            part = slice(r0, r0 + step)
+            lrows = left[part] if rows is None else left[rows[part]]
+            out[part] = kernel.gathered_dot(lrows.float(), right, index[part], None)
         return out
     chunk = max(1, gather_rows // max(1, index.shape[1]))
     out = torch.empty(index.shape, dtype=work, device=left.device)

@@ -20,13 +20,18 @@ def work_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float32 if x.dtype == torch.float16 else x.dtype
 
 
-def project_rows(x: torch.Tensor, basis: torch.Tensor, dtype: torch.dtype, block: int = 16384) -> torch.Tensor:
+def project_rows(x: torch.Tensor, basis: torch.Tensor, dtype: torch.dtype, block: int = 16384,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ basis`` with both operands in ``dtype``, ``block`` rows at a time (no full-width converted copy of
-    ``x``); the result is in ``dtype``."""
+    ``x``); the result is in ``out_dtype`` (default ``dtype``), written block by block."""
     b = basis.to(dtype)
-    out = torch.empty(x.shape[0], basis.shape[1], dtype=dtype, device=x.device)
+    out = torch.empty(x.shape[0], basis.shape[1], dtype=out_dtype or dtype, device=x.device)
     for r0 in range(0, x.shape[0], block):
-        torch.matmul(x[r0:r0 + block].to(dtype), b, out=out[r0:r0 + block])
+        rows = x[r0:r0 + block].to(dtype)
+        if out.dtype == dtype:
+            torch.matmul(rows, b, out=out[r0:r0 + block])
+        else:
+            out[r0:r0 + block] = rows @ b
     return out
 
 

@@ -94,11 +94,14 @@ def test_ivf_masked_search_stays_in_allowed_columns():
 
 @needs_faiss
 def test_faiss_search_probing_all_lists_aligns_like_exact_search():
-    # Probing every list makes the index exact, so the whole pipeline must give the exact search's accuracy (the
-    # projections differ only in rounding: faiss searches fp32, the PyTorch search the bf16/fp32 products). How far
-    # fewer probes fall behind on these random synthetic graphs is measured by bench/tea/bench_tea_scale.py.
+    # Probing every list makes the index exact, so the whole pipeline must give the exact search's accuracy. fp32
+    # products, as faiss searches in fp32: with bf16 products (auto on a CPU with bf16 units) this 800-entity pair's
+    # pseudo seeds flip on rounding differences alone (H@1 0.981 faiss vs 0.970 exact on an AMX host with fp32
+    # features; see test_alignment_is_the_same_without_native_kernels). How far fewer probes fall behind on these
+    # random synthetic graphs is measured by bench/tea/bench_tea_scale.py.
     pair = make_synthetic_pair(num_entities=800, seed=4)
-    base = {"dim": 128, "top_k": 50, "candidate_dim": 64, "rescore_top": 16, "rounds": 2}
+    base = {"dim": 128, "top_k": 50, "candidate_dim": 64, "rescore_top": 16, "rounds": 2,
+            "matmul_precision": "float32"}
     exact = LightTEA(LightTEAConfig(**base, candidate_search="exact")).fit(pair)
     approx = LightTEA(LightTEAConfig(**base, candidate_search="faiss", faiss_nlist=16, faiss_nprobe=16)).fit(pair)
     assert approx.config["candidate_search_used"] == "faiss" and exact.config["candidate_search_used"] == "exact"
