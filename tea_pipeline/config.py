@@ -15,7 +15,7 @@ FUSIONS = ("sum", "concat")
 FEATURELESS_ROWS = ("exclude", "include")
 TIE_BREAKS = ("random", "first")
 
-MATMUL_PRECISIONS = ("auto", "bfloat16", "float32")  # LightTEAConfig.matmul_precision; see precision.py
+MATMUL_PRECISIONS = ("auto", "bfloat16", "float32", "int8")  # LightTEAConfig.matmul_precision; see precision.py
 CANDIDATE_SEARCHES = ("auto", "exact", "faiss")  # LightTEAConfig.candidate_search; see ann.py
 FEATURE_DTYPES = ("auto", "float16", "float32")  # LightTEAConfig.feature_dtype
 
@@ -78,9 +78,10 @@ class LightTEAConfig:
             ``reference_compat=True``), which makes the metrics depend on how the top-k orders ties.
         matmul_precision (`str`, *optional*, defaults to `"auto"`):
             Dtype of the two large approximate products, the subspace candidate search and the triple view's random
-            projections: ``"bfloat16"``, ``"float32"``, or ``"auto"`` (bf16 on CUDA and on CPUs that multiply bf16
-            natively, AMX or AVX512-BF16; fp32 elsewhere). Exact re-scoring, Sinkhorn and evaluation stay fp32;
-            ``reference_compat=True`` uses fp32 throughout.
+            projections: ``"bfloat16"``, ``"float32"``, ``"int8"`` (the candidate search's block products in int8
+            with per-row scales and int32 accumulation, the projections in fp32), or ``"auto"`` (bf16 on CUDA and
+            on CPUs that multiply bf16 natively, AMX or AVX512-BF16; fp32 elsewhere). Exact re-scoring, Sinkhorn and
+            evaluation stay fp32; ``reference_compat=True`` uses fp32 throughout.
         feature_dtype (`str`, *optional*, defaults to `"auto"`):
             Storage dtype of the per-aspect and fused entity features, the largest matrices of a run (test rows x
             ``mini_dim * aspect_dim``): ``"float16"`` halves them (sums, norms, products and scores still run in
@@ -160,7 +161,8 @@ class LightTEAConfig:
         default="exclude", metadata={"help": "Source entities without facts: 'exclude' them from Sinkhorn or "
                                              "'include' them (the reference)."})
     matmul_precision: str = field(
-        default="auto", metadata={"help": "Approximate products: 'auto', 'bfloat16' or 'float32'."})
+        default="auto", metadata={"help": "Approximate products: 'auto', 'bfloat16', 'float32' or 'int8' (int8 "
+                                          "search, fp32 projections)."})
     feature_dtype: str = field(
         default="auto", metadata={"help": "Storage dtype of the features: 'auto', 'float16' or 'float32'."})
     candidate_search: str = field(

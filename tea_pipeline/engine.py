@@ -26,7 +26,7 @@ from .config import LightTEAConfig
 from .data import TKGPair
 from .graph import build_graph, time_counts
 from .memory import reuse_freed_memory
-from .precision import matmul_dtype
+from .precision import matmul_dtype, search_dtype
 from .propagation import (
     csr,
     l2n_,
@@ -214,6 +214,7 @@ class LightTEA:
         compat = cfg.reference_compat
         aspect_dim = self.aspect_dim(pair)
         low = torch.float32 if compat else matmul_dtype(cfg.matmul_precision, device)
+        low_search = torch.float32 if compat else search_dtype(cfg.matmul_precision, device)
         store = self.feature_dtype(aspect_dim, pair.num_entities)
         bar = self._bar = _progress(progress, cfg.rounds)
         self._round = 0
@@ -291,12 +292,12 @@ class LightTEA:
                     if search_kind == "faiss":
                         return ivf_topk(lhs, rhs, k, cfg.block_rows, cfg.candidate_dim if subspace else None,
                                         cfg.rescore_top if subspace else 0, stream, masked_rows, allowed_cols, mk,
-                                        matmul_dtype=low if subspace else None, nlist=cfg.faiss_nlist,
+                                        matmul_dtype=low_search if subspace else None, nlist=cfg.faiss_nlist,
                                         nprobe=cfg.faiss_nprobe)
                     if not subspace:
                         return blocked_topk(lhs, rhs, k, cfg.block_rows, masked_rows, allowed_cols, mk)
                     return lowrank_topk(lhs, rhs, k, cfg.block_rows, cfg.candidate_dim, cfg.rescore_top, stream,
-                                        masked_rows, allowed_cols, mk, matmul_dtype=low)
+                                        masked_rows, allowed_cols, mk, matmul_dtype=low_search)
 
                 full, masked = _search_rows_with_facts(
                     search, left, right, k_eval, None if last or unmasked else open_left,

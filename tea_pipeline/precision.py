@@ -34,10 +34,11 @@ def cpu_has_native_bf16() -> bool:
 
 
 def matmul_dtype(precision: str, device: torch.device) -> torch.dtype:
-    """The dtype for the approximate products under ``precision`` on ``device``."""
+    """The dtype for the triple view's random projections under ``precision`` on ``device`` (`search_dtype` gives
+    the candidate search's)."""
     if precision not in MATMUL_PRECISIONS:
         raise ValueError(f"matmul_precision={precision!r} is not supported: use one of {MATMUL_PRECISIONS}.")
-    if precision == "float32":
+    if precision in ("float32", "int8"):
         return torch.float32
     if precision == "bfloat16":
         return torch.bfloat16
@@ -55,3 +56,13 @@ def onednn_runs_bf16() -> bool:
         return bool(probe())
     except RuntimeError:
         return True
+
+
+def search_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """The dtype of the subspace candidate search's block products under ``precision`` on ``device``: int8 (per-row
+    scales, int32 accumulation) for ``"int8"``, else the same as `matmul_dtype`. The search only chooses
+    candidates, whose leading scores are then re-scored in full width, so it tolerates int8's rounding where the
+    triple view, whose products become the features, is kept in fp32."""
+    if precision == "int8":
+        return torch.int8
+    return matmul_dtype(precision, device)

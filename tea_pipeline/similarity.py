@@ -35,6 +35,20 @@ def project_rows(x: torch.Tensor, basis: torch.Tensor, dtype: torch.dtype, block
     return out
 
 
+def quantize_rows(x: torch.Tensor, block: int = 16384) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 rows of ``x`` and their fp32 scales: ``x[i] ~= q[i] * scale[i]``, each row's largest magnitude
+    mapped to 127 (a zero row gets scale 1 and stays zero). Converted ``block`` rows at a time."""
+    q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+    scale = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    for r0 in range(0, x.shape[0], block):
+        rows = x[r0:r0 + block].float()
+        s = rows.abs().amax(dim=1).div_(127.0)
+        s[s == 0] = 1.0
+        q[r0:r0 + block] = (rows / s[:, None]).round_().clamp_(-127, 127)  # not in place: rows may be x itself
+        scale[r0:r0 + block] = s
+    return q, scale
+
+
 @dataclass
 class TopK:
     values: torch.Tensor  # rows x k
@@ -50,12 +64,18 @@ def blocked_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: in
     top-``masked_k`` of the masked rows over the allowed columns only, so the pseudo-seed search of a round costs no
     second matrix product. With ``matmul_dtype`` (e.g. bf16) the block products and the top-k selection run in that
     dtype (exact only up to its rounding; the returned values are in `work_dtype` of ``left``: its own dtype, fp32
-    for fp16 storage).
+    for fp16 storage). With ``torch.int8`` both sides are quantized per row (`quantize_rows`), the products
+    accumulate in int32 (``torch._int_mm``) and are scaled back to fp32 before the selection: the right rows' scales
+    per column first, the left row's scale, which does not change a row's order, only on the selected values.
     """
     out_dtype = work_dtype(left)
     if matmul_dtype is None and left.dtype != out_dtype:  # fp16 storage: multiply in fp32
         matmul_dtype = out_dtype
-    if matmul_dtype is not None and matmul_dtype != left.dtype:
+    quantized = matmul_dtype == torch.int8
+    if quantized:
+        (left, left_scale), (right, right_scale) = quantize_rows(left), quantize_rows(right)
+        right_t = right.T
+    elif matmul_dtype is not None and matmul_dtype != left.dtype:
         left, right = left.to(matmul_dtype), right.to(matmul_dtype)
     n = left.shape[0]
     k = min(k, right.shape[0])
@@ -72,8 +92,13 @@ def blocked_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: in
         blocked = ~allowed_cols
     for r0 in range(0, n, block_rows):
         r1 = min(r0 + block_rows, n)
-        sims = left[r0:r1] @ right.T
+        if quantized:
+            sims = torch._int_mm(left[r0:r1], right_t).float().mul_(right_scale)
+        else:
+            sims = left[r0:r1] @ right.T
         v, i = topk_rows(sims, k)
+        if quantized:
+            v.mul_(left_scale[r0:r1, None])
         vals[r0:r1], idx[r0:r1] = v, i
         if want_masked:
             sel = masked_rows[r0:r1]
@@ -81,6 +106,8 @@ def blocked_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: in
                 sub = sims[sel]
                 sub[:, blocked] = float("-inf")
                 v, i = topk_rows(sub, masked_k)
+                if quantized:
+                    v.mul_(left_scale[r0:r1][sel][:, None])
                 pos = masked_pos[r0:r1][sel]
                 mvals[pos], midx[pos] = v, i
     return TopK(vals, idx), (TopK(mvals, midx) if want_masked else None)
@@ -190,14 +217,18 @@ def lowrank_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: in
     floating-point rounding. ``matmul_dtype`` (e.g. bf16) is used for the projections and the search; the
     re-scoring then reads the candidate rows stored as fp16 (the gather is memory-bound, so half the bytes; on
     unit-norm features the rounding error this adds to a score is small next to the Sinkhorn temperature, see
-    bench/tea/README.md) and computes in ``left``'s dtype. Features stored in fp16 (`LightTEAConfig.feature_dtype`)
-    are projected a block of rows at a time, re-scored as stored, and scored in fp32.
+    bench/tea/README.md) and computes in ``left``'s dtype. With ``torch.int8`` the basis and the projections are
+    fp32 and only the search products are quantized (see `blocked_topk`). Features stored in fp16
+    (`LightTEAConfig.feature_dtype`) are projected a block of rows at a time, re-scored as stored, and scored in fp32.
     """
-    basis = principal_basis(left, right, rank, generator, matmul_dtype=matmul_dtype)
+    quantized = matmul_dtype == torch.int8
+    basis = principal_basis(left, right, rank, generator, matmul_dtype=None if quantized else matmul_dtype)
     work = work_dtype(left)
     low = matmul_dtype is not None and matmul_dtype != left.dtype and matmul_dtype != work
-    pl, pr = (project_rows(x, basis, matmul_dtype or work, block_rows) for x in (left, right))
-    full, masked = blocked_topk(pl, pr, k, block_rows, masked_rows, allowed_cols, masked_k)
+    proj_dtype = work if quantized else (matmul_dtype or work)
+    pl, pr = (project_rows(x, basis, proj_dtype, block_rows) for x in (left, right))
+    full, masked = blocked_topk(pl, pr, k, block_rows, masked_rows, allowed_cols, masked_k,
+                                matmul_dtype=torch.int8 if quantized else None)
     del pl, pr
     # the search's values come back in the projection dtype; re-scoring and Sinkhorn work in fp32 (or left's dtype)
     full = TopK(full.values.to(work), full.index)

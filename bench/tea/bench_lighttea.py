@@ -12,7 +12,8 @@ Usage: ``python bench/tea/bench_lighttea.py [--data DIR] [--seeds 400,1000] [--i
 Variants: ``--isa avx2`` limits PyTorch's kernels, oneDNN and MKL to their AVX2 code paths
 (``ATEN_CPU_CAPABILITY=avx2``, ``ONEDNN_MAX_CPU_ISA=AVX2``, ``MKL_ENABLE_INSTRUCTIONS=AVX2``) and runs the fp32
 products that ``matmul_precision="auto"`` picks on a CPU without bf16 units, i.e. what such a CPU executes (on this
-host's memory system and clock); ``host`` uses everything the CPU has. ``--native off`` forces the PyTorch paths of
+host's memory system and clock); ``avx2-int8`` is the same CPU with ``matmul_precision="int8"`` (the candidate
+search's products in int8); ``host`` uses everything the CPU has. ``--native off`` forces the PyTorch paths of
 the csrc/ kernels (``HF_SCALE_NATIVE=0``); ``--before DIR`` adds the tea_pipeline of an earlier revision (e.g.
 ``git archive <rev> tea_pipeline | tar -x -C DIR``). Every timed run is a fresh ``python`` process (interpreter
 start, imports, loading and alignment inside the wall time); variants run interleaved, ``--repeats`` times each,
@@ -59,6 +60,8 @@ ISA_ENV = {
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
     "host": {},
 }
+ISA_ENV["avx2-int8"] = ISA_ENV["avx2"]  # the same CPU, the candidate search in int8 (matmul_precision="int8")
+ISA_PRECISION = {"avx2": "float32", "avx2-int8": "int8"}
 
 
 def _variant_name(seeds: int, isa: str, native: str) -> str:
@@ -91,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
                 for native in args.native.split(",")]
     for _, isa, native in variants:
         if isa not in ISA_ENV or native not in ("auto", "off"):
-            parser.error(f"unknown variant isa={isa!r} native={native!r}: --isa takes avx2,host; --native auto,off")
+            parser.error(f"unknown variant isa={isa!r} native={native!r}: --isa takes avx2,avx2-int8,host; "
+                         "--native auto,off")
     if args.before:
         if not (Path(args.before) / "tea_pipeline").is_dir():
             parser.error(f"--before {args.before}: no tea_pipeline/ there "
@@ -109,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, __file__, "--child", "--data", args.data, "--seeds", str(seeds), "--threads",
                str(args.threads), "--device", args.device, "--check-rows", str(check_rows), "--output", str(out)]
         cmd += (["--reference-compat"] if args.reference_compat else []) + (["--exact"] if args.exact else [])
-        cmd += ["--matmul-precision", "float32"] if isa == "avx2" else []
+        cmd += ["--matmul-precision", ISA_PRECISION[isa]] if isa in ISA_PRECISION else []
         t0 = time.perf_counter()
         subprocess.run(cmd, check=True, env=env)
         record = json.loads(out.read_text())
@@ -208,7 +212,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seeds", default="400", help="comma-separated seed counts, e.g. 400,1000")
     parser.add_argument("--isa", default="avx2,host",
                         help="comma-separated: avx2 (PyTorch, oneDNN and MKL limited to AVX2, fp32 products: a CPU "
-                             "without AVX-512 or bf16 units) and/or host (everything this CPU has)")
+                             "without AVX-512 or bf16 units), avx2-int8 (the same, int8 search products) and/or "
+                             "host (everything this CPU has)")
     parser.add_argument("--native", default="auto,off",
                         help="comma-separated: auto (native kernels from csrc/) and/or off (PyTorch paths only)")
     parser.add_argument("--before", default=None,

@@ -4,8 +4,8 @@
 * the subspace candidate search equals the exact top-k when the subspace holds the data or covers the full width,
   and its re-scored candidates carry exact scores;
 * the engine's fast default and its exact search both align the synthetic pair and reproduce with one seed;
-* the bf16 products (``matmul_precision``) stay within bf16 rounding of the fp32 ones, the fp16-stored re-scoring
-  within fp16 rounding, and the sort-based unique equals ``np.unique``.
+* the bf16 products (``matmul_precision``) stay within bf16 rounding of the fp32 ones, the int8 search within int8
+  rounding, the fp16-stored re-scoring within fp16 rounding, and the sort-based unique equals ``np.unique``.
 """
 
 from __future__ import annotations
@@ -199,6 +199,42 @@ def test_bf16_search_finds_the_fp32_candidates_and_returns_fp32_values() -> None
     assert torch.all(full.values[:, :-1] >= full.values[:, 1:])
 
 
+def test_quantize_rows_round_trips_within_half_a_step() -> None:
+    from tea_pipeline.similarity import quantize_rows
+
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(37, 24, generator=gen) * torch.logspace(-3, 2, 37)[:, None]
+    x[5] = 0.0
+    q, scale = quantize_rows(x, block=8)  # several blocks
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32
+    assert int(q.abs().max()) == 127 and bool((q[5] == 0).all()) and float(scale[5]) == 1.0
+    back = q.float() * scale[:, None]
+    assert bool(((back - x).abs() <= scale[:, None] / 2 + 1e-6 * x.abs()).all())
+
+
+def test_int8_search_finds_the_fp32_candidates_and_returns_fp32_values() -> None:
+    gen = torch.Generator().manual_seed(6)
+    left, right = l2n(torch.randn(120, 64, generator=gen)), l2n(torch.randn(150, 64, generator=gen))
+    rows, cols = torch.rand(120, generator=gen) < 0.5, torch.rand(150, generator=gen) < 0.6
+    want, want_m = blocked_topk(left, right, 10, 32, masked_rows=rows, allowed_cols=cols, masked_k=5)
+    got, got_m = blocked_topk(left, right, 10, 32, masked_rows=rows, allowed_cols=cols, masked_k=5,
+                              matmul_dtype=torch.int8)
+    assert got.values.dtype == torch.float32 and got_m.values.dtype == torch.float32
+    # unit rows in 64 dims: each int8 step is at most 1/127 of a row's largest entry, so a score moves by ~1e-3
+    exact = (left[:, None, :] * right[got.index]).sum(-1)
+    torch.testing.assert_close(got.values, exact, rtol=0, atol=1e-2)
+    torch.testing.assert_close(got.values, want.values, rtol=0, atol=1e-2)
+    assert (got.index[:, 0] == want.index[:, 0]).float().mean() > 0.9  # near-ties may swap
+    assert bool(cols[got_m.index].all())  # the masked search only returns allowed columns
+    assert (got_m.index[:, 0] == want_m.index[:, 0]).float().mean() > 0.9
+    # the subspace search in int8: fp32 projections, int8 products, leading candidates re-scored exactly
+    full, _ = lowrank_topk(left, right, 10, 32, rank=64, rescore=10, generator=torch.Generator().manual_seed(0),
+                           matmul_dtype=torch.int8)
+    exact = (left[:, None, :] * right[full.index]).sum(-1)
+    torch.testing.assert_close(full.values, exact, rtol=0, atol=1e-3)
+    assert torch.all(full.values[:, :-1] >= full.values[:, 1:])
+
+
 def test_fp16_stored_rescoring_is_within_fp16_rounding() -> None:
     gen = torch.Generator().manual_seed(2)
     left, right = l2n(torch.randn(20, 300, generator=gen)), l2n(torch.randn(50, 300, generator=gen))
@@ -210,15 +246,19 @@ def test_fp16_stored_rescoring_is_within_fp16_rounding() -> None:
 
 
 def test_matmul_precision_config_and_dtype_rule() -> None:
-    from tea_pipeline.precision import cpu_has_native_bf16, matmul_dtype, onednn_runs_bf16
+    from tea_pipeline.precision import cpu_has_native_bf16, matmul_dtype, onednn_runs_bf16, search_dtype
 
     assert LightTEAConfig(matmul_precision="bf16").matmul_precision == "bfloat16"
     assert LightTEAConfig(matmul_precision="FP32").matmul_precision == "float32"
+    assert LightTEAConfig(matmul_precision="INT8").matmul_precision == "int8"
     with pytest.raises(ValueError, match="matmul_precision"):
-        LightTEAConfig(matmul_precision="int8")
+        LightTEAConfig(matmul_precision="int4")
     cpu = torch.device("cpu")
     assert matmul_dtype("float32", cpu) == torch.float32
     assert matmul_dtype("bfloat16", cpu) == torch.bfloat16
+    # int8: the search only; the triple view's projections stay fp32
+    assert (search_dtype("int8", cpu), matmul_dtype("int8", cpu)) == (torch.int8, torch.float32)
+    assert search_dtype("bfloat16", cpu) == torch.bfloat16
     assert matmul_dtype("auto", torch.device("cuda")) == torch.bfloat16
     native = cpu_has_native_bf16() and onednn_runs_bf16()
     assert matmul_dtype("auto", cpu) == (torch.bfloat16 if native else torch.float32)
@@ -237,14 +277,15 @@ def test_auto_precision_honours_a_onednn_isa_cap() -> None:
     assert out.stdout.strip() == "torch.float32"
 
 
-def test_fp32_and_bf16_runs_align_the_synthetic_pair_alike() -> None:
+def test_fp32_bf16_and_int8_runs_align_the_synthetic_pair_alike() -> None:
     # 800 entities: on the 300-entity pair with 32-wide features one seed's H@1 moves by +-0.04 either way between
     # the precisions (seeds 4-9 average 0.893 fp32 vs 0.886 bf16), too noisy for a tight bound.
     pair = make_synthetic_pair(num_entities=800, seed=0)
     runs = {p: LightTEA(LightTEAConfig(dim=128, top_k=50, candidate_dim=64, matmul_precision=p)).fit(pair).final
-            for p in ("float32", "bfloat16")}
+            for p in ("float32", "bfloat16", "int8")}
     assert min(r["hits@1"] for r in runs.values()) >= 0.95, runs
     assert abs(runs["bfloat16"]["hits@1"] - runs["float32"]["hits@1"]) <= 0.02, runs
+    assert abs(runs["int8"]["hits@1"] - runs["float32"]["hits@1"]) <= 0.02, runs
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 500])
