@@ -79,7 +79,7 @@ class LightTEAConfig:
         matmul_precision (`str`, *optional*, defaults to `"auto"`):
             Dtype of the two large approximate products, the subspace candidate search and the triple view's random
             projections: ``"bfloat16"``, ``"float32"``, ``"int8"`` (the candidate search's block products in int8
-            with per-row scales and int32 accumulation, the projections in fp32), or ``"auto"`` (bf16 on CUDA and
+            with per-row scales and int32 accumulation on CPU, the projections in fp32), or ``"auto"`` (bf16 on CUDA and
             on CPUs that multiply bf16 natively, AMX or AVX512-BF16; fp32 elsewhere). Exact re-scoring, Sinkhorn and
             evaluation stay fp32; ``reference_compat=True`` uses fp32 throughout.
         feature_dtype (`str`, *optional*, defaults to `"auto"`):

@@ -60,9 +60,10 @@ def onednn_runs_bf16() -> bool:
 
 def search_dtype(precision: str, device: torch.device) -> torch.dtype:
     """The dtype of the subspace candidate search's block products under ``precision`` on ``device``: int8 (per-row
-    scales, int32 accumulation) for ``"int8"``, else the same as `matmul_dtype`. The search only chooses
-    candidates, whose leading scores are then re-scored in full width, so it tolerates int8's rounding where the
-    triple view, whose products become the features, is kept in fp32."""
-    if precision == "int8":
+    scales, int32 accumulation) for ``"int8"`` on CPU, else the same as `matmul_dtype` (fp32 on CUDA for
+    ``"int8"``: measured and tested on CPU only). The search only chooses candidates, whose leading scores are then
+    re-scored in full width, so it tolerates int8's rounding where the triple view, whose products become the
+    features, is kept in fp32."""
+    if precision == "int8" and torch.device(device).type == "cpu":
         return torch.int8
     return matmul_dtype(precision, device)

@@ -259,6 +259,7 @@ def test_matmul_precision_config_and_dtype_rule() -> None:
     # int8: the search only; the triple view's projections stay fp32
     assert (search_dtype("int8", cpu), matmul_dtype("int8", cpu)) == (torch.int8, torch.float32)
     assert search_dtype("bfloat16", cpu) == torch.bfloat16
+    assert search_dtype("int8", torch.device("cuda")) == torch.float32  # int8 search: CPU only
     assert matmul_dtype("auto", torch.device("cuda")) == torch.bfloat16
     native = cpu_has_native_bf16() and onednn_runs_bf16()
     assert matmul_dtype("auto", cpu) == (torch.bfloat16 if native else torch.float32)
