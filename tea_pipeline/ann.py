@@ -96,8 +96,6 @@ def ivf_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: int, r
         allowed_cols = None if allowed_cols is None else allowed_cols.cpu()
     faiss.omp_set_num_threads(torch.get_num_threads())
     dim = left.shape[1]
-    if matmul_dtype == torch.int8:  # faiss scans fp32 rows: only the basis and projections could be narrower
-        matmul_dtype = None
     low = matmul_dtype is not None and matmul_dtype != left.dtype
     if rank is not None and rank < dim:
         basis = principal_basis(left, right, rank, generator, matmul_dtype=matmul_dtype)

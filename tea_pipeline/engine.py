@@ -289,10 +289,10 @@ class LightTEA:
                 stream = _stream(cfg.seed, rnd, 4)
 
                 def search(lhs, rhs, k, masked_rows, allowed_cols, mk, subspace=subspace, stream=stream):
-                    if search_kind == "faiss":
+                    if search_kind == "faiss":  # faiss scans fp32: only its basis/projections take `low`
                         return ivf_topk(lhs, rhs, k, cfg.block_rows, cfg.candidate_dim if subspace else None,
                                         cfg.rescore_top if subspace else 0, stream, masked_rows, allowed_cols, mk,
-                                        matmul_dtype=low_search if subspace else None, nlist=cfg.faiss_nlist,
+                                        matmul_dtype=low if subspace else None, nlist=cfg.faiss_nlist,
                                         nprobe=cfg.faiss_nprobe)
                     if not subspace:
                         return blocked_topk(lhs, rhs, k, cfg.block_rows, masked_rows, allowed_cols, mk)
