@@ -30,6 +30,7 @@ from accelerate.utils import DistributedType
 from torch import nn
 from transformers.utils import logging
 
+from hf_placement import release_process_groups_at_exit
 from paro_zero_backend import GuidelineTable, ParoEngine, resolve_strategy
 
 from .paro_plugin import ParoPlugin
@@ -142,6 +143,7 @@ class ParoAccelerator(Accelerator):
             raise TypeError(f"paro_plugin must be a ParoPlugin, got {type(paro_plugin).__name__}.")
         self.paro_plugin = paro_plugin if paro_plugin is not None else ParoPlugin.from_env()
         super().__init__(*args, **kwargs)
+        release_process_groups_at_exit()  # scripts rarely call end_training(): see hf_placement.lifecycle
         if getattr(self.state, "deepspeed_plugin", None) is not None or getattr(self.state, "fsdp_plugin", None):
             raise ValueError("The Accelerate state has a DeepSpeed or FSDP plugin; PaRO replaces them. Launch with a "
                              "plain MULTI_GPU/MULTI_CPU accelerate config.")

@@ -6,7 +6,9 @@ The base (this package outside its wings) is small and knows no trainer:
   created once, in one order, with timeouts (`new_process_groups` is the one place that calls ``new_group``);
 - `PlacementPlan`: which ranks hold which RLHF role (FlexRLHF, arXiv 2312.11819), pure validated data;
 - `build_role_groups` / `RoleGroups`: a plan's process groups;
-- `run_distributed` (`hf_placement.testing`): the gloo harness every test, example and benchmark uses.
+- `run_distributed` (`hf_placement.testing`): the gloo harness every test, example and benchmark uses;
+- `release_process_groups` / `release_process_groups_at_exit`: destroy every group while the interpreter is alive
+  (a gloo group left to interpreter exit can abort a finished worker).
 
 Wings, imported only by those who need them:
 
@@ -25,6 +27,7 @@ import warnings
 from typing import Any
 
 from .groups import RoleGroups, build_role_groups
+from .lifecycle import release_process_groups, release_process_groups_at_exit
 from .plan import BASE_ROLES, ROLES, SHADOW_ROLES, STRATEGIES, TRAINED_ROLES, PlacementPlan
 from .testing import RankError, RankTimeoutError, find_free_port, run_distributed
 from .topology import (
@@ -56,6 +59,8 @@ __all__ = [
     "find_free_port",
     "new_process_groups",
     "reduce_scatter_single",
+    "release_process_groups",
+    "release_process_groups_at_exit",
     "run_distributed",
 ]
 

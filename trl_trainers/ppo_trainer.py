@@ -35,6 +35,8 @@ from transformers.trainer_callback import (
 )
 from transformers.utils import logging
 
+from hf_placement import release_process_groups_at_exit
+
 from . import ppo_math as pm
 from ._distributed import DistContext, init_distributed_from_env
 from .batch_layout import BatchLayout, compute_batch_layout
@@ -134,6 +136,7 @@ class PPOTrainer:
         self.train_dataset, self.eval_dataset, self.data_collator = train_dataset, eval_dataset, data_collator
         # 2. where things run: the plan, its process groups, this rank's side (collective)
         init_distributed_from_env(timeout_s=float(args.ddp_timeout))
+        release_process_groups_at_exit()  # TRL scripts end without destroying their groups (hf_placement.lifecycle)
         self.launch: LaunchEngine = launch_engine_from_env()
         self.placement: PlacementSetup = prepare_placement(args, placement, group, strict_equivalence,
                                                            launch=self.launch)

@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from gmeta_trainer import DLRMConfig, DLRMModel, InnerLoopConfig, MetaLearner, shard_embeddings  # noqa: E402
+from hf_placement import release_process_groups  # noqa: E402
 
 ALL_STRATEGIES = ("hybrid", "hybrid_sparse", "replicated_ddp_default", "replicated_ddp_tuned", "replicated_sparse")
 # Adagrad: the usual optimizer of recommendation tables (DLRM), and one that takes sparse gradients, so every
@@ -308,7 +309,7 @@ def main(argv=None) -> None:
         sys.stdout.write("GMETA_CLUSTER " + json.dumps(report) + "\n")
         sys.stdout.flush()
     dist.barrier()  # no rank closes its sockets while a peer is still in the last collective
-    dist.destroy_process_group()
+    release_process_groups()
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hf_placement import release_process_groups
+
 torch.set_num_threads(1)
 
 
@@ -499,7 +501,7 @@ def main(argv=None) -> None:
         if rank == 0:
             print("PARO_BENCH " + json.dumps(res), flush=True)
         dist.barrier()
-    dist.destroy_process_group()
+    release_process_groups()
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hf_placement import release_process_groups
+
 
 class MLP(nn.Module):
     """Square linear layers: one FSDP unit / ZeRO fetch per layer, little compute per byte of parameters."""
@@ -119,7 +121,7 @@ def main() -> None:
         "paro_cc_bytes": dict(counter.bytes) if counter is not None else None,
         "params": sum(p.numel() for p in MLP(args.width, args.layers).parameters()),
     }), flush=True)
-    dist.destroy_process_group()
+    release_process_groups()
 
 
 if __name__ == "__main__":

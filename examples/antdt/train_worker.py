@@ -30,6 +30,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
 from antdt_callbacks import AgentConfig, AntDTAgent, AntDTTrainerMixin, init_distributed
+from hf_placement import release_process_groups_at_exit
 
 STATE = {"step": 0}
 _UNIT = torch.randn(96, 96, generator=torch.Generator().manual_seed(1)) / 10
@@ -182,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
     torch.set_num_threads(1)
     init_distributed("gloo", timeout_s=a.pg_timeout_s)
+    release_process_groups_at_exit()  # Trainer scripts end with their gloo group alive: see hf_placement.lifecycle
     torch.manual_seed(0)
     out = Path(a.out)
     data = ToyData(a.dataset_size, a.dim)

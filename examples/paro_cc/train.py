@@ -21,6 +21,7 @@ import json
 import torch
 import torch.distributed as dist
 
+from hf_placement import release_process_groups
 from paro_zero_backend import deepspeed_initialize, enable_paro_cc
 from paro_zero_backend.ds_config import load_deepspeed_config
 from paro_zero_backend.testing import make_batches, tiny_gpt2
@@ -87,7 +88,7 @@ def main() -> None:
     try:
         (fsdp2 if args.backend == "fsdp2" else deepspeed)(args)
     finally:
-        dist.destroy_process_group()
+        release_process_groups()
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import os
 
 import torch.distributed as dist
 
+from hf_placement import release_process_groups
 from paro_zero_backend import ParoConfig, ParoEngine, resolve_strategy
 from paro_zero_backend.testing import make_adamw, make_batches, tiny_gpt2
 
@@ -59,7 +60,7 @@ def main() -> None:
     if "RANK" in os.environ and "LOCAL_RANK" in os.environ and not dist.is_initialized():
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
         print(train(dist.get_rank(), dist.get_world_size(), args))
-        dist.destroy_process_group()
+        release_process_groups()
     else:
         from hf_placement import run_distributed
 

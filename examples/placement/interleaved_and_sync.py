@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hf_placement import PlacementPlan, build_role_groups
+from hf_placement import PlacementPlan, build_role_groups, release_process_groups
 from hf_placement.runtime import (
     RoleCall,
     RoleHandle,
@@ -84,7 +84,7 @@ def main() -> None:
                       f"{info['bytes']} bytes")
             print(f"dispatch results equal local results on every rank; wrote {args.out}/trace.json, timeline.png")
     finally:
-        dist.destroy_process_group()
+        release_process_groups()
 
 
 if __name__ == "__main__":

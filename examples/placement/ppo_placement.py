@@ -24,6 +24,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from hf_placement import release_process_groups
+
 
 def build_trainer(placement: str, output_dir: str, iterations: int = 3, per_device: int = 4,
                   response_length: int = 8, num_mini_batches: int = 2, max_staleness: int = 0):
@@ -103,7 +105,7 @@ def main() -> None:
           f"checksum={out['checksum']:.6f}" + (f" timeline={out['png']}" if rank == 0 else ""), flush=True)
     if dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
+        release_process_groups()
 
 
 if __name__ == "__main__":

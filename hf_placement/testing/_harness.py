@@ -39,6 +39,8 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..lifecycle import release_process_groups
+
 __all__ = ["RankError", "RankTimeoutError", "find_free_port", "run_distributed"]
 
 
@@ -97,7 +99,7 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, ba
             return
         finally:
             # destroy without a barrier: a barrier here would hang if a peer already failed.
-            dist.destroy_process_group()
+            release_process_groups()
         results.put((rank, "ok", value))
     except BaseException as exc:  # noqa: BLE001 - failures while starting up or tearing down
         results.put((rank, "error", (type(exc).__name__, str(exc), traceback.format_exc())))

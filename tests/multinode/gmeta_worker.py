@@ -19,6 +19,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _multinode_common import COLLECTIVE_TIMEOUT_S, emit, node_of_rank  # noqa: E402
 
+from hf_placement import release_process_groups
+
 STEPS, SAVE_AT, GLOBAL_TASKS = 6, 3, 4  # 16 tasks, 4 per step: the checkpoint at step 3 is mid-epoch
 
 
@@ -84,7 +86,7 @@ def main() -> None:
         torch.save(result, args.out)
     emit(report)
     dist.barrier()  # no rank closes its sockets while a peer is still in the last collective
-    dist.destroy_process_group()
+    release_process_groups()
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _multinode_common import COLLECTIVE_TIMEOUT_S, emit, topology_report  # noqa: E402
 
-from hf_placement import build_topology  # noqa: E402
+from hf_placement import build_topology, release_process_groups  # noqa: E402
 from paro_zero_backend import ParoConfig, ParoEngine  # noqa: E402
 from paro_zero_backend.testing import make_adamw, make_batches, paro_train, tiny_gpt2  # noqa: E402
 
@@ -42,7 +42,7 @@ def main() -> None:
         torch.save(state, args.out)
     emit(report)
     dist.barrier()  # no rank closes its sockets while a peer is still in the last collective
-    dist.destroy_process_group()
+    release_process_groups()
 
 
 if __name__ == "__main__":

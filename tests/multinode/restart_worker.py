@@ -20,6 +20,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _multinode_common import COLLECTIVE_TIMEOUT_S, emit, node_of_rank, sample  # noqa: E402
 
+from hf_placement import release_process_groups
+
 
 def _save(path: Path, state: dict) -> None:
     tmp = path.with_suffix(".tmp")
@@ -77,7 +79,7 @@ def main() -> None:
         emit({"rank": rank, "node": node_of_rank(), "resumed_from": start, "log": log,
               "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))})
     dist.barrier()  # no rank closes its sockets while a peer is still in the last collective
-    dist.destroy_process_group()
+    release_process_groups()
 
 
 if __name__ == "__main__":

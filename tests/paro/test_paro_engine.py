@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hf_placement import find_free_port, run_distributed
+from hf_placement import find_free_port, release_process_groups, run_distributed
 from hf_placement.partition import VALID_STRATEGY_NAMES
 from paro_zero_backend import (
     ParoConfig,
@@ -389,7 +389,7 @@ def _single_rank_world():
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        release_process_groups()
 
 
 def test_consolidated_export_loads_in_transformers_and_another_world_size(suite):
