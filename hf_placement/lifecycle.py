@@ -80,20 +80,24 @@ def release_process_groups() -> list[str]:
     """Destroy every process group of this process. Drop the references this project and ``torch.distributed.nn``
     hold, so that each gloo group is freed, and its threads joined, while the interpreter is still alive.
 
-    Returns the names of the groups that are still alive afterwards. Something outside this function still holds
-    them, for example a live engine or model wrapper. They are then freed only when that holder is, and this is
-    logged at debug level. Safe to call when torch.distributed is unavailable or not initialized, and safe to call
-    twice.
+    Returns the names of the groups that are still alive afterwards, because something outside this function holds
+    them (an engine, a model's parameters). Those are freed only when their holder is; the call then waits for their
+    threads to go idle, and logs them at debug level. The references are dropped even when the script has already
+    called ``destroy_process_group()``: a group that only ``torch.distributed.nn`` still held is freed then. Safe
+    to call when torch.distributed is unavailable or not initialized, and safe to call twice.
     """
-    if not dist.is_available() or not dist.is_initialized():
+    if not dist.is_available():
         return []
     from . import groups as _groups
     from . import topology as _topology
 
-    refs = [(getattr(pg, "group_name", "?"), weakref.ref(pg)) for pg in _live_groups()]
+    initialized = dist.is_initialized()
+    refs = [(getattr(pg, "group_name", "?"), weakref.ref(pg)) for pg in _live_groups()] if initialized else []
     _unpin_nn_functional_defaults()
     _topology._TOPOLOGY_CACHE.clear()
     _groups._ROLE_GROUPS_CACHE.clear()
+    if not initialized:
+        return []
     dist.destroy_process_group()
     alive = [name for name, ref in refs if ref() is not None]
     if alive:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -76,8 +77,10 @@ _EXIT_SCRIPT = textwrap.dedent("""
     refs = []
 
     def report():  # registered first, so it runs after the release hook (atexit is last-in, first-out)
-        print(json.dumps({"rank": int(os.environ["RANK"]), "alive": sum(r() is not None for r in refs),
-                          "groups": len(refs), "initialized": dist.is_initialized()}), flush=True)
+        out = {"rank": int(os.environ["RANK"]), "alive": sum(r() is not None for r in refs), "groups": len(refs),
+               "initialized": dist.is_initialized()}
+        sys.stdout.write(json.dumps(out) + "\\n")  # one write: both ranks share torchrun's stdout
+        sys.stdout.flush()
 
     atexit.register(report)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -92,18 +95,27 @@ _EXIT_SCRIPT = textwrap.dedent("""
     dist.barrier()
     refs.extend(weakref.ref(pg) for pg in dist.distributed_c10d._world.pg_map)
     del topo  # a group the script still held at exit would stay alive (the release then waits for its threads)
-    # the script ends without destroying anything, as TRL's and most accelerate scripts do
+    if os.environ.get("DESTROYS_ITSELF") == "1":
+        dist.destroy_process_group()  # what torch documents; the late import still holds the world group after it
+    # otherwise the script ends without destroying anything, as TRL's and most accelerate scripts do
 """)
 
 
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed next to this Python")
-def test_at_exit_hook_frees_every_group_of_a_script_that_never_destroys_them(tmp_path):
-    script = tmp_path / "never_destroys.py"
+@pytest.mark.parametrize("destroys_itself", [False, True], ids=["never_destroys", "destroys_itself"])
+def test_at_exit_hook_frees_every_group_of_a_script(tmp_path, destroys_itself):
+    script = tmp_path / "script.py"
     script.write_text(_EXIT_SCRIPT)
+    env = {**os.environ, "DESTROYS_ITSELF": str(int(destroys_itself))}
     proc = subprocess.run([str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(script)],
-                          capture_output=True, text=True, timeout=180, cwd=ROOT)
+                          capture_output=True, text=True, timeout=180, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    reports, decoder = [], json.JSONDecoder()
+    for line in proc.stdout.splitlines():
+        pos = 0
+        while line.startswith("{", pos):  # two reports written at the same moment can share a line
+            report, pos = decoder.raw_decode(line, pos)
+            reports.append(report)
     assert sorted(r["rank"] for r in reports) == [0, 1], proc.stdout
     for r in reports:
         assert r["groups"] >= 2 and r["alive"] == 0 and not r["initialized"], r
