@@ -28,11 +28,11 @@ from .graph import build_graph, time_counts
 from .memory import reuse_freed_memory
 from .precision import matmul_dtype, search_dtype
 from .propagation import (
+    SeedLabels,
     csr,
     l2n_,
     nonzero_rows,
     propagate,
-    seed_labels,
     triple_layout,
     triple_operands,
     triple_sums,
@@ -249,7 +249,8 @@ class LightTEA:
             feats = []
             for a, (aspect, layout) in enumerate(aspects):
                 with self._stage("label_propagation", device):
-                    e0 = seed_labels(graph.num_entities, train.cpu(), cfg.dim, _stream(cfg.seed, rnd, 2 * a)).to(device)
+                    e0 = SeedLabels.draw(graph.num_entities, train.cpu(), cfg.dim,
+                                         _stream(cfg.seed, rnd, 2 * a)).to(device)
                     e_bar, x_cat = propagate(a_ee, spread[a], e0, cfg.lp_steps)
                 with self._stage("triple_view", device):
                     ops = triple_operands(graph, aspect, e_bar, x_cat, aspect_dim, cfg.mini_dim,

@@ -39,13 +39,61 @@ def l2n_(x: torch.Tensor, chunk: int = 16384) -> torch.Tensor:
     return x.mul_(torch.rsqrt(torch.clamp(norm * norm, min=EPS)))
 
 
+@dataclass(frozen=True)
+class SeedLabels:
+    """E0 held by its labelled rows: both entities of seed pair i carry the random unit vector V_i, every other row of
+    the N x d matrix is zero. Dense, E0 is N x d fp32 (2 GB at a million entities and d = 512) for a few thousand
+    non-zero rows; `propagate` and `first_hop_matrix` read it in this form."""
+
+    num_entities: int
+    rows: torch.Tensor  # distinct entity ids, ascending
+    values: torch.Tensor  # len(rows) x d
+
+    @classmethod
+    def draw(cls, num_entities: int, seed_pairs: torch.Tensor, dim: int, generator: torch.Generator) -> SeedLabels:
+        """The labels `seed_labels` returns, drawn from ``generator`` the same way (an entity in two seed pairs keeps
+        the later pair's vector, as the dense assignment does)."""
+        v = l2n(torch.randn(len(seed_pairs), dim, generator=generator))
+        ids = torch.cat([seed_pairs[:, 0], seed_pairs[:, 1]]).long()
+        rows, inverse = torch.unique(ids, return_inverse=True)
+        last = torch.full((len(rows),), -1, dtype=torch.long).scatter_reduce_(
+            0, inverse, torch.arange(len(ids)), reduce="amax")
+        order = torch.cat([torch.arange(len(seed_pairs)), torch.arange(len(seed_pairs))])
+        return cls(num_entities, rows, v[order[last]])
+
+    @property
+    def dim(self) -> int:
+        return self.values.shape[1]
+
+    def to(self, device: torch.device | str) -> SeedLabels:
+        return SeedLabels(self.num_entities, self.rows.to(device), self.values.to(device))
+
+    def dense(self) -> torch.Tensor:
+        """The N x d matrix."""
+        e0 = torch.zeros(self.num_entities, self.dim, dtype=self.values.dtype, device=self.values.device)
+        e0[self.rows] = self.values
+        return e0
+
+
 def seed_labels(num_entities: int, seed_pairs: torch.Tensor, dim: int, generator: torch.Generator) -> torch.Tensor:
     """E0 (N x d): both entities of seed pair i get the same random unit Gaussian vector V_i (not orthogonalised)."""
-    v = l2n(torch.randn(len(seed_pairs), dim, generator=generator))
-    e0 = torch.zeros(num_entities, dim)
-    e0[seed_pairs[:, 0]] = v
-    e0[seed_pairs[:, 1]] = v
-    return e0
+    return SeedLabels.draw(num_entities, seed_pairs, dim, generator).dense()
+
+
+def _rows_of(e0: torch.Tensor | SeedLabels, rows: torch.Tensor) -> torch.Tensor:
+    """``E0[rows]`` for labelled ``rows``."""
+    if isinstance(e0, SeedLabels):
+        return e0.values[torch.searchsorted(e0.rows, rows)]
+    return e0[rows]
+
+
+def _labelled(e0: torch.Tensor | SeedLabels) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ascending ids of the non-zero rows of E0, those rows)."""
+    if isinstance(e0, SeedLabels):
+        keep = e0.values.abs().amax(dim=1) > 0
+        return e0.rows[keep], e0.values[keep]
+    rows = torch.nonzero(e0.abs().amax(dim=1) > 0)[:, 0]
+    return rows, e0[rows]
 
 
 def csr(m: torch.Tensor) -> torch.Tensor:
@@ -57,27 +105,57 @@ def csr(m: torch.Tensor) -> torch.Tensor:
         return m.to_sparse_csr()
 
 
-def propagate(a_ee: torch.Tensor, aspect: AspectGraph, e0: torch.Tensor, steps: int) -> tuple[torch.Tensor, ...]:
+def csr_row_chunks(m: torch.Tensor, chunk: int) -> list[tuple[int, int, torch.Tensor]]:
+    """``(r0, r1, m[r0:r1])`` for consecutive blocks of ``chunk`` rows of the CSR matrix ``m``. Each block shares
+    ``m``'s column indices and values (only its row pointers are new), so splitting costs no copy of the matrix."""
+    crow, col, val = m.crow_indices(), m.col_indices(), m.values()
+    out = []
+    for r0 in range(0, m.shape[0], chunk):
+        r1 = min(r0 + chunk, m.shape[0])
+        a, b = int(crow[r0]), int(crow[r1])
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*[Ss]parse CSR tensor support is in beta.*")
+            out.append((r0, r1, torch.sparse_csr_tensor(crow[r0:r1 + 1] - a, col[a:b], val[a:b],
+                                                         (r1 - r0, m.shape[1]), check_invariants=False)))
+    return out
+
+
+def propagate(a_ee: torch.Tensor, aspect: AspectGraph, e0: torch.Tensor | SeedLabels, steps: int,
+              chunk_bytes: int = 1 << 28) -> tuple[torch.Tensor, ...]:
     """L steps of entity/aspect propagation; returns (E_bar N x (L+1)d, X_cat X x (L+1)d), both row-normalised.
 
     Each step is written into its column block of a preallocated ``E_bar`` and read from there by the next step (no
-    list of steps and no concatenated copy, which held ``E_bar`` twice at the end of the last step), and the aspect
-    term is accumulated into the entity product in place (``addmm_``) rather than through an N x d temporary.
+    list of steps and no concatenated copy, which held ``E_bar`` twice at the end of the last step). The entity
+    product runs ``chunk_bytes`` of output rows at a time, written straight into its block: a full-height product
+    would allocate an N x d temporary, plus the copy into the block, and those would be the largest allocations of
+    the stage. The aspect term is accumulated into each chunk in place (``addmm_``). Given as `SeedLabels`, ``E0``
+    is written into its block of ``E_bar`` row by row and never held as a second N x d matrix.
     """
-    n, d = e0.shape
+    if isinstance(e0, SeedLabels):
+        n, d, like = e0.num_entities, e0.dim, e0.values
+    else:
+        (n, d), like = e0.shape, e0
     width = (steps + 1) * d
-    e_bar = torch.empty(n, width, dtype=e0.dtype, device=e0.device)
-    x_cat = torch.zeros(aspect.num_nodes, width, dtype=e0.dtype, device=e0.device)
-    e_bar[:, :d] = e0
+    e_bar = torch.empty(n, width, dtype=like.dtype, device=like.device)
+    x_cat = torch.zeros(aspect.num_nodes, width, dtype=like.dtype, device=like.device)
+    if isinstance(e0, SeedLabels):
+        e_bar[:, :d] = 0
+        e_bar[e0.rows, :d] = e0.values
+    else:
+        e_bar[:, :d] = e0
     # CSR times a dense matrix is faster than coalesced COO for these products (bench/tea/README.md): convert once
     # here and reuse the CSR matrices in every step.
     a_ee, x_from_head, x_to_tail = (csr(m) for m in (a_ee, aspect.x_from_head, aspect.x_to_tail))
+    rows = max(1, chunk_bytes // max(1, d * like.element_size()))
+    chunks = list(zip(csr_row_chunks(a_ee, rows), csr_row_chunks(x_to_tail, rows)))
     for s in range(1, steps + 1):
         # the previous step is read in place from its block (the sparse products take the strided view as is)
         e, x = e_bar[:, (s - 1) * d:s * d], x_cat[:, (s - 1) * d:s * d]
         x_cat[:, s * d:(s + 1) * d] = l2n_(x_from_head @ e)  # aspect nodes gather from their head entities
+        x = x.contiguous()
         # entities gather from neighbours (+ self) and aspect nodes
-        e_bar[:, s * d:(s + 1) * d] = l2n_((a_ee @ e).addmm_(x_to_tail, x.contiguous()))
+        for (r0, r1, a_rows), (_, _, t_rows) in chunks:
+            e_bar[r0:r1, s * d:(s + 1) * d] = l2n_((a_rows @ e).addmm_(t_rows, x))
     return l2n_(e_bar), l2n_(x_cat)
 
 
@@ -153,7 +231,7 @@ def triple_view(graph: TKGGraph, aspect: AspectGraph, e_bar: torch.Tensor, x_cat
                 mini_dim: int, generator: torch.Generator, rows: torch.Tensor | None = None,
                 block: int | None = None, label_dim: int | None = None,
                 matmul_dtype: torch.dtype = torch.float32, layout: TripleLayout | None = None,
-                first_hop: tuple[torch.Tensor, torch.Tensor] | None = None,
+                first_hop: tuple[torch.Tensor, torch.Tensor | SeedLabels] | None = None,
                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Relation/time-triple view: F_j[h] = sum_{(h,t)} W[(h,t), j] * (E_bar P_j)[t] for j < D, concatenated.
 
@@ -213,7 +291,7 @@ def triple_operands(graph: TKGGraph, aspect: AspectGraph, e_bar: torch.Tensor, x
                     aspect_dim: int, mini_dim: int, generator: torch.Generator, rows: torch.Tensor | None = None,
                     label_dim: int | None = None, matmul_dtype: torch.dtype = torch.float32,
                     layout: TripleLayout | None = None,
-                    first_hop: tuple[torch.Tensor, torch.Tensor] | None = None) -> TripleOperands:
+                    first_hop: tuple[torch.Tensor, torch.Tensor | SeedLabels] | None = None) -> TripleOperands:
     """The first step of `triple_view`: draws the projections and gathers what the sums need from ``E_bar``."""
     width = e_bar.shape[1]
     device = e_bar.device
@@ -237,7 +315,7 @@ def triple_operands(graph: TKGGraph, aspect: AspectGraph, e_bar: torch.Tensor, x
                                                                                label_dim))
         if hop is not None:
             ops.hop_matrix, hop_rows = hop
-            ops.hop_labels = first_hop[1][hop_rows].to(matmul_dtype)
+            ops.hop_labels = _rows_of(first_hop[1], hop_rows).to(matmul_dtype)
             ops.col0 = 2 * label_dim  # what is left dense: blocks 2..L
     # only the columns multiplied densely, gathered straight into the product dtype
     ops.e_tails = gather_rows(e_bar, tails, ops.col0, matmul_dtype)
@@ -298,7 +376,7 @@ def triple_sums(ops: TripleOperands, block: int | None = None, out_dtype: torch.
     return out
 
 
-def first_hop_matrix(a_ee: torch.Tensor, e0: torch.Tensor, tails: torch.Tensor, e1_tails: torch.Tensor,
+def first_hop_matrix(a_ee: torch.Tensor, e0: torch.Tensor | SeedLabels, tails: torch.Tensor, e1_tails: torch.Tensor,
                      max_share: float = 0.6) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(C A_ee[tails, L], L)`` with ``C A_ee[tails, L] E0[L] = E_bar[tails, d:2d]``; None when it would not pay.
 
@@ -307,22 +385,22 @@ def first_hop_matrix(a_ee: torch.Tensor, e0: torch.Tensor, tails: torch.Tensor, 
     ``e1_tails`` (that block at the tail rows). The dense product it replaces costs ``|tails| d`` per projection
     column, this one ``|L| d`` plus a sparse product, so it is built only while ``|L| <= max_share |tails|``.
     """
-    labelled = e0.abs().amax(dim=1) > 0
-    n_lab = int(labelled.sum())
+    lab_rows, lab_values = _labelled(e0)
+    n_lab = len(lab_rows)
     if n_lab == 0 or n_lab > max_share * len(tails):
         return None
+    device = lab_values.device
     a = a_ee.to_sparse_coo().coalesce() if a_ee.layout != torch.sparse_coo else a_ee.coalesce()
     row, col = a.indices()
-    row_pos = torch.full((a.shape[0],), -1, dtype=torch.long, device=e0.device)
-    row_pos[tails] = torch.arange(len(tails), device=e0.device)
-    col_pos = torch.full((a.shape[1],), -1, dtype=torch.long, device=e0.device)
-    lab_rows = torch.nonzero(labelled)[:, 0]
-    col_pos[lab_rows] = torch.arange(n_lab, device=e0.device)
+    row_pos = torch.full((a.shape[0],), -1, dtype=torch.long, device=device)
+    row_pos[tails] = torch.arange(len(tails), device=device)
+    col_pos = torch.full((a.shape[1],), -1, dtype=torch.long, device=device)
+    col_pos[lab_rows] = torch.arange(n_lab, device=device)
     keep = (row_pos[row] >= 0) & (col_pos[col] >= 0)
     sub = torch.sparse_coo_tensor(torch.stack([row_pos[row[keep]], col_pos[col[keep]]]), a.values()[keep],
                                   (len(tails), n_lab), check_invariants=False).coalesce()
     sub = csr(sub)
-    hop = sub @ e0[lab_rows]  # A_ee E0 at the tails, before any normalisation
+    hop = sub @ lab_values  # A_ee E0 at the tails, before any normalisation
     scale = torch.linalg.vector_norm(e1_tails, dim=1) * torch.rsqrt(
         torch.clamp(torch.linalg.vector_norm(hop, dim=1).square(), min=EPS))
     crow, cols, vals = sub.crow_indices(), sub.col_indices(), sub.values()
@@ -338,7 +416,7 @@ def aspect_features(graph: TKGGraph, aspect: AspectGraph, train_pairs: torch.Ten
                     rows: torch.Tensor | None = None, matmul_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The output of one aspect: seed labels -> propagation -> triple view (rows ``rows``)."""
     device = graph.entity_entity.device
-    e0 = seed_labels(graph.num_entities, train_pairs.cpu(), dim, generator).to(device)
+    e0 = SeedLabels.draw(graph.num_entities, train_pairs.cpu(), dim, generator).to(device)
     e_bar, x_cat = propagate(graph.entity_entity, aspect, e0, steps)
     return triple_view(graph, aspect, e_bar, x_cat, aspect_dim, mini_dim, generator, rows, label_dim=dim,
                        matmul_dtype=matmul_dtype, first_hop=(graph.entity_entity, e0))

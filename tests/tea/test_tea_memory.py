@@ -1,6 +1,6 @@
 """tea_pipeline's memory-saving paths against the computations they replace, on small generated data.
 
-* `propagate` writing into a preallocated ``E_bar`` equals the list-and-concatenate version;
+* `propagate` writing into a preallocated ``E_bar``, in row blocks, equals the list-and-concatenate version;
 * the chunked gathers (`gather_rows`, `nonzero_rows`) equal plain indexing;
 * the triple view stored in fp16 equals the fp32 one up to fp16 rounding, and falls back to fp32 where fp16 would
   overflow;
@@ -18,7 +18,7 @@ import tea_pipeline.ann as ann
 from tea_pipeline import LightTEA, LightTEAConfig, build_graph, l2n, make_synthetic_pair, propagate, triple_view
 from tea_pipeline.engine import FP16_FEATURES_MIN_BYTES
 from tea_pipeline.kernels import gathered_dot
-from tea_pipeline.propagation import csr, gather_rows, l2n_, nonzero_rows, seed_labels
+from tea_pipeline.propagation import SeedLabels, csr, first_hop_matrix, gather_rows, l2n_, nonzero_rows, seed_labels
 from tea_pipeline.similarity import blocked_topk, lowrank_topk, project_rows
 
 FAST = {"dim": 96, "top_k": 40, "aspect_dim": 8, "mini_dim": 4}
@@ -41,16 +41,40 @@ def _propagate_with_concat(a_ee, aspect, e0, steps):
     return l2n_(torch.cat(es, dim=1)), l2n_(torch.cat(xs, dim=1))
 
 
-@pytest.mark.parametrize("steps", [1, 2, 3])
-def test_preallocated_propagation_equals_concatenation(small_pair, steps: int) -> None:
+@pytest.mark.parametrize("steps,chunk_rows", [(1, None), (2, None), (3, None), (2, 7), (2, 1)])
+def test_preallocated_propagation_equals_concatenation(small_pair, steps: int, chunk_rows: int | None) -> None:
+    """Also with the entity product split into blocks of 7 rows, and of 1 row (the default is one block here)."""
     g = build_graph(small_pair)
     e0 = seed_labels(g.num_entities, torch.from_numpy(small_pair.seeds), 24, torch.Generator().manual_seed(0))
+    extra = {} if chunk_rows is None else {"chunk_bytes": chunk_rows * 24 * 4}
     for aspect in (g.relation, g.time):
-        got = propagate(g.entity_entity, aspect, e0, steps)
+        got = propagate(g.entity_entity, aspect, e0, steps, **extra)
         want = _propagate_with_concat(g.entity_entity, aspect, e0, steps)
         for a, b in zip(got, want):
             assert a.shape == b.shape
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_seed_labels_by_rows_equal_the_dense_matrix_in_propagation_and_the_first_hop(small_pair) -> None:
+    """`SeedLabels` (E0 by its labelled rows) draws the dense E0's values and gives the same propagation, first-hop
+    matrix and triple view; an entity in two seed pairs keeps the later pair's vector, as the dense assignment does."""
+    g = build_graph(small_pair)
+    seeds = torch.from_numpy(small_pair.seeds)
+    seeds = torch.cat([seeds, seeds[:1].flip(1), seeds[3:4]])  # repeated entities, one pair twice
+    labels = SeedLabels.draw(g.num_entities, seeds, 16, torch.Generator().manual_seed(3))
+    dense = seed_labels(g.num_entities, seeds, 16, torch.Generator().manual_seed(3))
+    assert torch.equal(labels.dense(), dense)
+    assert torch.equal(labels.rows, torch.nonzero(dense.abs().amax(1) > 0)[:, 0])
+    e_bar, x_cat = propagate(g.entity_entity, g.relation, labels, 2)
+    e_bar_d, x_cat_d = propagate(g.entity_entity, g.relation, dense, 2)
+    assert torch.equal(e_bar, e_bar_d) and torch.equal(x_cat, x_cat_d)
+    tails = torch.arange(g.num_entities)
+    got = first_hop_matrix(g.entity_entity, labels, tails, e_bar[:, 16:32], max_share=1.0)
+    want = first_hop_matrix(g.entity_entity, dense, tails, e_bar[:, 16:32], max_share=1.0)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0].to_dense(), want[0].to_dense())
+    views = [triple_view(g, g.relation, e_bar, x_cat, 4, 4, torch.Generator().manual_seed(5), label_dim=16,
+                         first_hop=(g.entity_entity, e0)) for e0 in (labels, dense)]
+    assert torch.equal(views[0], views[1])
 
 
 def test_chunked_gathers_equal_plain_indexing() -> None:
