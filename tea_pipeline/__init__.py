@@ -11,7 +11,16 @@ from .data import TKGDataError, TKGPair, load_tkg_pair
 from .engine import AlignmentResult, LightTEA, RoundMetrics
 from .graph import TKGGraph, build_graph, time_counts
 from .kernels import native_kernels
-from .propagation import TripleLayout, aspect_features, l2n, propagate, seed_labels, triple_layout, triple_view
+from .propagation import (
+    SeedLabels,
+    TripleLayout,
+    aspect_features,
+    l2n,
+    propagate,
+    seed_labels,
+    triple_layout,
+    triple_view,
+)
 from .similarity import TemporalSimilarity, TopK, blocked_topk
 from .sinkhorn import dense_sinkhorn, sparse_sinkhorn
 from .synthetic import make_scaled_pair, make_synthetic_pair
@@ -21,6 +30,7 @@ __all__ = [
     "LightTEA",
     "LightTEAConfig",
     "RoundMetrics",
+    "SeedLabels",
     "TKGDataError",
     "TKGGraph",
     "TKGPair",
