@@ -23,7 +23,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from .similarity import TopK, exact_scores, principal_basis, project_rows, work_dtype
+from .similarity import TopK, principal_basis, project_rows, rescore_topk, work_dtype
 
 __all__ = ["default_nlist", "faiss_available", "ivf_topk"]
 
@@ -64,14 +64,9 @@ def _search(index, queries: np.ndarray, k: int, block: int) -> tuple[TopK, torch
 def _rescore(left: torch.Tensor, right: torch.Tensor, top: TopK, missing: torch.Tensor, rescore: int,
              rows: torch.Tensor | None = None) -> TopK:
     """`similarity.rescore_topk` that leaves padded candidates (``missing``) at `PAD_SCORE`."""
-    m = min(rescore, top.values.shape[1])
-    values = top.values.to(work_dtype(left))
-    if m == 0:
-        return TopK(values, top.index)
-    exact = exact_scores(left, right, top.index[:, :m].contiguous(), rows)
-    values[:, :m] = torch.where(missing[:, :m], values[:, :m], exact)
-    values, order = torch.sort(values, dim=1, descending=True, stable=True)
-    return TopK(values, top.index.gather(1, order))
+    # the search result is this call's own (from faiss's numpy output): re-scored in place
+    return rescore_topk(left, right, TopK(top.values.to(work_dtype(left)), top.index), rescore, rows, keep=missing,
+                        inplace=True)
 
 
 def ivf_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: int, rank: int | None, rescore: int,

@@ -56,7 +56,8 @@ class LightTEAConfig:
             How equal scores are ranked in evaluation. ``"random"`` (seeded) avoids leaking the answer on id-sorted
             pair files; ``"first"`` ranks the earlier candidate first, like the reference.
         block_rows (`int`, *optional*, defaults to `2048`):
-            Rows per block of the similarity search; bounds memory to ``block_rows x |test|`` floats.
+            Rows per block of the similarity search; bounds memory to ``block_rows x |test|`` scores (fewer rows
+            where those would exceed 256 MiB, see `similarity.blocked_topk`).
         candidate_dim (`int`, *optional*, defaults to `512`):
             Rank of the principal subspace in which the top-k candidates are searched (the block products then
             cost ``candidate_dim / feature width`` of the full ones); the leading ``rescore_top`` candidates of each
@@ -131,6 +132,10 @@ class LightTEAConfig:
             returning it to the OS after every use (glibc only; restored and trimmed when ``fit`` returns). A round
             reallocates large temporaries many times, and each fresh page costs a page fault; see
             `tea_pipeline.memory`. Peak RSS can grow a little.
+        kept_memory_gb (`float`, *optional*, defaults to `4.0`):
+            With ``reuse_freed_memory``: when more than this many GB of freed memory are kept at the end of a round,
+            all of it goes back to the OS, so what one round freed does not add to the next round's peak
+            (`tea_pipeline.memory.trim_freed_memory`).
         device (`str`, *optional*, defaults to `"auto"`):
             ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
         reference_compat (`bool`, *optional*, defaults to `False`):
@@ -182,6 +187,8 @@ class LightTEAConfig:
     seed: int = field(default=12306, metadata={"help": "Seed of every random draw."})
     reuse_freed_memory: bool = field(
         default=True, metadata={"help": "Keep freed memory for reuse while fit runs (fewer page faults)."})
+    kept_memory_gb: float = field(
+        default=4.0, metadata={"help": "Freed memory (GB) kept from one round into the next with reuse_freed_memory."})
     device: str = field(default="auto", metadata={"help": "'auto', 'cpu', 'cuda' or 'cuda:N'."})
     reference_compat: bool = field(default=False, metadata={"help": "Reproduce the reference code's quirks."})
 
@@ -229,6 +236,10 @@ class LightTEAConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"LightTEAConfig.{name}={value!r} is invalid: it must be an integer >= 0 "
                                  f"(default {_default(name)}).")
+        if isinstance(self.kept_memory_gb, bool) or not float(self.kept_memory_gb) >= 0:
+            raise ValueError(f"LightTEAConfig.kept_memory_gb={self.kept_memory_gb!r} is invalid: it is the freed "
+                             "memory (GB) kept from one round into the next and must be >= 0 (0: keep none).")
+        self.kept_memory_gb = float(self.kept_memory_gb)
         for name in ("alpha", "beta"):
             value = getattr(self, name)
             if not 0.0 <= float(value) <= 1.0:

@@ -24,8 +24,8 @@ import torch
 from .ann import faiss_available, ivf_topk
 from .config import LightTEAConfig
 from .data import TKGPair
-from .graph import build_graph, time_counts
-from .memory import reuse_freed_memory
+from .graph import AspectGraph, build_graph, time_counts
+from .memory import reuse_freed_memory, trim_freed_memory
 from .precision import matmul_dtype, search_dtype
 from .propagation import (
     SeedLabels,
@@ -229,11 +229,14 @@ class LightTEA:
         rows = torch.cat([test_left, test_right])
         with self._stage("graph", device):
             # which tuples feed which output row depends on the graph only: laid out once for all rounds
-            aspects = [(a, triple_layout(graph, a, rows)) for a in (graph.relation, graph.time)]
-            # the propagation products run on CSR copies, converted once rather than in every round
+            layouts = [triple_layout(graph, a, rows) for a in (graph.relation, graph.time)]
+            # The propagation products run on CSR copies, converted once rather than in every round. The COO
+            # originals go: from here on only the CSR copies and the layouts (which hold the selected tuples'
+            # aspect nodes) are read, and the graph's matrices are the largest structures that live through a run.
             a_ee = csr(graph.entity_entity)
-            spread = [dataclasses.replace(a, x_from_head=csr(a.x_from_head), x_to_tail=csr(a.x_to_tail))
-                      for a, _ in aspects]
+            spread = [_propagation_only(a) for a in (graph.relation, graph.time)]
+            graph = dataclasses.replace(graph, relation=spread[0], time=spread[1])
+            aspects = list(zip(spread, layouts))
         with self._stage("temporal_similarity", device):
             simt = TemporalSimilarity(counts, test_right)
         train = torch.from_numpy(pair.seeds).to(device)
@@ -338,6 +341,8 @@ class LightTEA:
                     pseudo_all.append(new[:, :2].cpu().numpy())
                     metrics.pseudo_seeds_added, metrics.pseudo_seed_precision = len(new), correct
             del full, masked, sims, m, best  # round-sized results not needed any more: free before the next round
+            if cfg.reuse_freed_memory:
+                trim_freed_memory(int(cfg.kept_memory_gb * 2**30))  # more kept than this: all of it goes back
             metrics.seconds = time.perf_counter() - t_round
             rounds.append(metrics)
             logger.info("round %d: H@1 %.4f H@10 %.4f MRR %.4f (+%d pseudo seeds)", rnd, h1, h10, mrr,
@@ -398,6 +403,15 @@ class LightTEA:
         chosen, target_pos = chosen[first], target_pos[first]
         src_pos = left_pos[chosen]
         return torch.stack([test_left[src_pos], test_right[target_pos], src_pos, target_pos], dim=1)
+
+
+def _propagation_only(a: AspectGraph) -> AspectGraph:
+    """``a`` with CSR copies of the two propagation matrices and an empty ``tuple_x`` (a `TripleLayout` of the same
+    aspect holds the rows of it the triple view reads)."""
+    empty = torch.sparse_coo_tensor(torch.zeros(2, 0, dtype=torch.long, device=a.tuple_x.device),
+                                    torch.zeros(0, dtype=a.tuple_x.dtype, device=a.tuple_x.device),
+                                    (0, a.tuple_x.shape[1]), check_invariants=False)
+    return AspectGraph(a.num_nodes, csr(a.x_from_head), csr(a.x_to_tail), empty)
 
 
 def _search_rows_with_facts(search, left, right, k, masked_rows, allowed_cols, masked_k, active, has_facts):

@@ -7,6 +7,10 @@ faults per run, a large share of the wall time on virtual machines where a fault
 (``bench/tea/README.md``). While `reuse_freed_memory` is active, large blocks come from the heap and freed ones
 stay there for the next allocation; on exit the previous policy is restored and the heap is trimmed, so the memory
 goes back to the OS once the run is over. Outside Linux/glibc it does nothing.
+
+What is kept is bounded between rounds: `trim_freed_memory` hands the free heap back to the OS when it holds more
+than a limit. Within a round the kept blocks are reused over and over. The blocks one round's search frees are not
+all reused by the next round's propagation, so on large pairs they would add to its peak.
 """
 
 from __future__ import annotations
@@ -39,6 +43,36 @@ def _glibc() -> ctypes.CDLL | None:
         return libc
     except (OSError, AttributeError):
         return None
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                                               "uordblks", "fordblks", "keepcost")]
+
+
+def free_heap_bytes() -> int | None:
+    """Bytes of freed memory glibc's heaps keep for reuse (``mallinfo2().fordblks``); None off glibc."""
+    libc = _glibc()
+    fn = getattr(libc, "mallinfo2", None) if libc is not None else None
+    if fn is None:
+        return None
+    fn.restype = _MallInfo2
+    return int(fn().fordblks)
+
+
+def trim_freed_memory(keep_bytes: int = 1 << 30) -> int:
+    """Return the heap's free memory to the OS (``malloc_trim``) when it holds more than ``keep_bytes``.
+
+    Returns the free bytes found (0 off glibc, where it does nothing). The pages come back on the next use at the
+    cost of one page fault each, so this is meant for boundaries after which the kept memory would not be reused as
+    it is (a new round); below ``keep_bytes`` it costs one ``mallinfo2`` call.
+    """
+    free = free_heap_bytes()
+    if free is None:
+        return 0
+    if free > keep_bytes:
+        _glibc().malloc_trim(0)
+    return free
 
 
 @contextmanager

@@ -49,6 +49,9 @@ def quantize_rows(x: torch.Tensor, block: int = 16384) -> tuple[torch.Tensor, to
     return q, scale
 
 
+SCORE_BLOCK_BYTES = 1 << 28  # most bytes of scores one block of `blocked_topk` holds
+
+
 @dataclass
 class TopK:
     values: torch.Tensor  # rows x k
@@ -57,8 +60,15 @@ class TopK:
 
 def blocked_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: int,
                  masked_rows: torch.Tensor | None = None, allowed_cols: torch.Tensor | None = None,
-                 masked_k: int = 0, matmul_dtype: torch.dtype | None = None) -> tuple[TopK, TopK | None]:
+                 masked_k: int = 0, matmul_dtype: torch.dtype | None = None,
+                 block_bytes: int = SCORE_BLOCK_BYTES) -> tuple[TopK, TopK | None]:
     """Exact top-k of ``left @ right.T`` per row, in blocks of ``block_rows`` rows.
+
+    A block holds fewer rows when its scores would take more than ``block_bytes``: the score block (and the masked
+    rows' copy of it) are the search's largest temporaries, and at a million entities 2,048 rows of scores are
+    gigabytes, while a few hundred rows still make a product large enough to run at full speed. Each row's result
+    depends on its own scores only; only the BLAS's summation order may differ with the block's height (fp32
+    rounding).
 
     With ``masked_rows`` (bool, rows) and ``allowed_cols`` (bool, columns), the same block products also give the
     top-``masked_k`` of the masked rows over the allowed columns only, so the pseudo-seed search of a round costs no
@@ -90,6 +100,8 @@ def blocked_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: in
         mvals = torch.empty(n_masked, masked_k, dtype=out_dtype, device=left.device)
         midx = torch.empty(n_masked, masked_k, dtype=torch.long, device=left.device)
         blocked = ~allowed_cols
+    score_bytes = torch.finfo(out_dtype).bits // 8 if quantized else right.element_size()
+    block_rows = max(1, min(block_rows, block_bytes // max(1, right.shape[0] * score_bytes)))
     for r0 in range(0, n, block_rows):
         r1 = min(r0 + block_rows, n)
         if quantized:
@@ -103,8 +115,8 @@ def blocked_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: in
         if want_masked:
             sel = masked_rows[r0:r1]
             if bool(sel.any()):
-                sub = sims[sel]
-                sub[:, blocked] = float("-inf")
+                sub = sims if bool(sel.all()) else sims[sel]  # the block's scores are not read again
+                sub.masked_fill_(blocked, float("-inf"))
                 v, i = topk_rows(sub, masked_k)
                 if quantized:
                     v.mul_(left_scale[r0:r1][sel][:, None])
@@ -191,19 +203,33 @@ def exact_scores(left: torch.Tensor, right: torch.Tensor, index: torch.Tensor, r
 
 
 def rescore_topk(left: torch.Tensor, right: torch.Tensor, approx: TopK, rescore: int,
-                 rows: torch.Tensor | None = None) -> TopK:
+                 rows: torch.Tensor | None = None, keep: torch.Tensor | None = None, inplace: bool = False,
+                 chunk_rows: int = 16384) -> TopK:
     """Replace the scores of each row's first ``rescore`` candidates by their exact values and re-sort the row.
 
     The candidates (index set) are those of ``approx``; only the scores of the leading ones, which carry almost all
-    of the Sinkhorn mass at a low temperature, are recomputed in the full space.
+    of the Sinkhorn mass at a low temperature, are recomputed in the full space. ``keep`` (bool, like the leading
+    ``rescore`` columns) marks candidates whose approximate score stays (padding). Rows are re-scored and re-sorted
+    ``chunk_rows`` at a time, so the sort's order and the gathered index exist for one chunk only instead of as
+    full-height int64 copies; with ``inplace`` the result is written into ``approx``'s own tensors (the caller's
+    fresh search result), otherwise into copies.
     """
     m = min(rescore, approx.values.shape[1])
     if m == 0:
         return approx
-    values = approx.values.clone()
-    values[:, :m] = exact_scores(left, right, approx.index[:, :m].contiguous(), rows)
-    values, order = torch.sort(values, dim=1, descending=True, stable=True)
-    return TopK(values, approx.index.gather(1, order))
+    values, index = (approx.values, approx.index) if inplace else (approx.values.clone(), approx.index.clone())
+    n = values.shape[0]
+    for r0 in range(0, n, chunk_rows):
+        part = slice(r0, min(r0 + chunk_rows, n))
+        left_rows = torch.arange(part.start, part.stop, device=index.device) if rows is None else rows[part]
+        exact = exact_scores(left, right, index[part, :m].contiguous(), left_rows)
+        if keep is not None:
+            exact = torch.where(keep[part, :m], values[part, :m], exact)
+        values[part, :m] = exact
+        sorted_values, order = torch.sort(values[part], dim=1, descending=True, stable=True)
+        values[part] = sorted_values
+        index[part] = index[part].gather(1, order)
+    return TopK(values, index)
 
 
 def lowrank_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: int, rank: int, rescore: int,
@@ -235,9 +261,10 @@ def lowrank_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: in
     if masked is not None:
         masked = TopK(masked.values.to(work), masked.index)
     stored = right.to(torch.float16) if low and rescore > 0 else right
-    full = rescore_topk(left, stored, full, rescore)
+    # both results are this call's own tensors: re-scored in place
+    full = rescore_topk(left, stored, full, rescore, inplace=True)
     if masked is not None:
-        masked = rescore_topk(left, stored, masked, rescore, rows=torch.nonzero(masked_rows)[:, 0])
+        masked = rescore_topk(left, stored, masked, rescore, rows=torch.nonzero(masked_rows)[:, 0], inplace=True)
     return full, masked
 
 

@@ -194,6 +194,22 @@ def test_blocked_topk_equals_full_topk_and_masked_search() -> None:
     assert torch.equal(masked.index, torch.nonzero(cols)[:, 0][ref_m.indices])
 
 
+def test_blocked_topk_score_byte_cap_keeps_the_candidates() -> None:
+    gen = torch.Generator().manual_seed(3)
+    left, right = l2n(torch.randn(37, 16, generator=gen)), l2n(torch.randn(29, 16, generator=gen))
+    cols = torch.rand(29, generator=gen) < 0.6
+    for rows in (torch.rand(37, generator=gen) < 0.5, torch.ones(37, dtype=torch.bool)):  # all rows: masked in place
+        want, want_m = blocked_topk(left, right, 7, 64, masked_rows=rows, allowed_cols=cols, masked_k=4)
+        # 29 fp32 scores per row: a 300-byte cap leaves 2 rows per block
+        got, got_m = blocked_topk(left, right, 7, 64, masked_rows=rows, allowed_cols=cols, masked_k=4,
+                                  block_bytes=300)
+        for a, b in ((want, got), (want_m, got_m)):  # the BLAS may sum a smaller product in another order
+            torch.testing.assert_close(a.values, b.values, rtol=0, atol=1e-6)
+            assert torch.equal(a.index, b.index)
+        sims = (left @ right.T)[rows][:, cols]
+        assert torch.equal(want_m.index, torch.nonzero(cols)[:, 0][torch.topk(sims, 4, dim=1).indices])
+
+
 def test_evaluation_ranks_misses_and_ties() -> None:
     m = torch.tensor([[0.9, 0.1, 0.0], [0.5, 0.5, 0.0], [0.2, 0.3, 0.5]])
     index = torch.tensor([[0, 1, 2], [0, 1, 2], [0, 1, 3]])  # row 2's truth (column 2) is not a candidate
@@ -292,6 +308,7 @@ def test_reference_compat_runs_and_variants_align(small_pair) -> None:
                                        ({"pseudo_seed_threshold": 1.0}, "pseudo_seed_threshold"),
                                        ({"device": "tpu"}, "device"),
                                        ({"featureless_rows": "drop"}, "featureless_rows"),
+                                       ({"kept_memory_gb": -1}, "kept_memory_gb"),
                                        ({"reference_compat": True, "lp_steps": 3}, "lp_steps")])
 def test_config_errors_name_the_field(bad, field) -> None:
     with pytest.raises(ValueError, match=field):
@@ -311,3 +328,30 @@ def test_reuse_freed_memory_is_scoped_and_changes_no_result(small_pair) -> None:
     runs = [LightTEA(LightTEAConfig(**FAST, reuse_freed_memory=flag)).fit(small_pair) for flag in (True, False)]
     assert np.array_equal(runs[0].predicted, runs[1].predicted)
     assert np.array_equal(runs[0].scores, runs[1].scores)
+
+
+def test_trim_freed_memory_returns_kept_heap_above_the_limit() -> None:
+    """Inside the reuse policy freed blocks stay in the heap; the trim hands them back only above its limit."""
+    from tea_pipeline.memory import free_heap_bytes, reuse_freed_memory, trim_freed_memory  # noqa: PLC0415
+
+    if free_heap_bytes() is None:
+        pytest.skip("glibc's mallinfo2 is not available here (the trim is a no-op off glibc)")
+    with reuse_freed_memory() as active:
+        assert active
+        blocks = [torch.ones(1 << 24) for _ in range(8)]  # 8 x 64 MiB from the heap
+        del blocks[1::2]  # free every other one: they cannot merge into the heap top
+        free = free_heap_bytes()
+        assert free >= 4 * (1 << 26)
+        assert trim_freed_memory(keep_bytes=1 << 40) == free  # under the limit: kept as it was
+        assert free_heap_bytes() == free
+        before = _rss_bytes()
+        assert trim_freed_memory(keep_bytes=1 << 20) == free  # over it: the free blocks' pages go back
+        assert before - _rss_bytes() >= 3 * (1 << 26)
+        assert all(bool((b == 1).all()) for b in blocks)  # the live blocks are untouched
+
+
+def _rss_bytes() -> int:
+    import os  # noqa: PLC0415
+
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

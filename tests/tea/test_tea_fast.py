@@ -140,6 +140,34 @@ def test_rescored_candidates_carry_exact_scores_and_stay_sorted() -> None:
                        exact_scores(left, right, approx.index, torch.arange(5) * 3, gather_rows=4096))
 
 
+def test_rescore_in_row_chunks_equals_one_pass_and_keeps_padding() -> None:
+    gen = torch.Generator().manual_seed(7)
+    left, right = l2n(torch.randn(11, 16, generator=gen)), l2n(torch.randn(30, 16, generator=gen))
+    approx = TopK(torch.sort(torch.rand(11, 8, generator=gen), dim=1, descending=True).values,
+                  torch.stack([torch.randperm(30, generator=gen)[:8] for _ in range(11)]))
+    before = TopK(approx.values.clone(), approx.index.clone())
+    keep = torch.rand(11, 3, generator=gen) < 0.3
+    for rows in (None, torch.randperm(11, generator=gen)):
+        whole = rescore_topk(left, right, approx, 3, rows=rows, keep=keep, chunk_rows=1 << 20)
+        # the input is left as it was unless inplace is asked for
+        assert torch.equal(approx.values, before.values) and torch.equal(approx.index, before.index)
+        for chunk in (1, 4):
+            part = rescore_topk(left, right, approx, 3, rows=rows, keep=keep, chunk_rows=chunk)
+            assert torch.equal(part.values, whole.values) and torch.equal(part.index, whole.index)
+        own = TopK(approx.values.clone(), approx.index.clone())
+        inplace = rescore_topk(left, right, own, 3, rows=rows, keep=keep, inplace=True, chunk_rows=4)
+        assert inplace.values is own.values and torch.equal(own.values, whole.values)
+        assert torch.equal(own.index, whole.index)
+        # kept (padded) candidates keep their score; the others carry the exact one
+        lrows = torch.arange(11) if rows is None else rows
+        for i in range(11):
+            got = dict(zip(whole.index[i].tolist(), whole.values[i].tolist()))
+            for c in range(3):
+                col = int(approx.index[i, c])
+                want = float(approx.values[i, c]) if keep[i, c] else float(left[lrows[i]] @ right[col])
+                assert got[col] == pytest.approx(want, abs=1e-6)
+
+
 def test_engine_fast_and_exact_search_align_and_reproduce(small_pair) -> None:
     cfg = dict(FAST, candidate_dim=16, rescore_top=8, candidate_check_rows=50, seed=4)
     runs = [LightTEA(LightTEAConfig(**cfg)).fit(small_pair) for _ in range(2)]
