@@ -36,6 +36,7 @@ from .propagation import (
     triple_layout,
     triple_operands,
     triple_sums,
+    triple_sums_into,
 )
 from .similarity import TemporalSimilarity, TopK, blocked_topk, candidate_recall, lowrank_topk
 from .sinkhorn import sparse_sinkhorn
@@ -216,6 +217,7 @@ class LightTEA:
         low = torch.float32 if compat else matmul_dtype(cfg.matmul_precision, device)
         low_search = torch.float32 if compat else search_dtype(cfg.matmul_precision, device)
         store = self.feature_dtype(aspect_dim, pair.num_entities)
+        fold_in_place = cfg.fusion == "sum" and store != torch.float32
         bar = self._bar = _progress(progress, cfg.rounds)
         self._round = 0
 
@@ -249,21 +251,32 @@ class LightTEA:
         for rnd in range(1, cfg.rounds + 1):
             t_round = time.perf_counter()
             self._round = rnd
-            feats = []
+            # Both aspects' operands first, then their sums: an aspect's operands (its tail rows of E_bar, in the
+            # product dtype) are smaller than its features, so the second aspect's E_bar, the largest matrix of a
+            # round, never lives next to the first aspect's features.
+            operands = []
             for a, (aspect, layout) in enumerate(aspects):
                 with self._stage("label_propagation", device):
                     e0 = SeedLabels.draw(graph.num_entities, train.cpu(), cfg.dim,
                                          _stream(cfg.seed, rnd, 2 * a)).to(device)
                     e_bar, x_cat = propagate(a_ee, spread[a], e0, cfg.lp_steps)
                 with self._stage("triple_view", device):
-                    ops = triple_operands(graph, aspect, e_bar, x_cat, aspect_dim, cfg.mini_dim,
-                                          _stream(cfg.seed, rnd, 2 * a + 1), rows, label_dim=cfg.dim,
-                                          matmul_dtype=low, layout=layout,
-                                          first_hop=None if compat else (graph.entity_entity, e0))
+                    operands.append(triple_operands(graph, aspect, e_bar, x_cat, aspect_dim, cfg.mini_dim,
+                                                    _stream(cfg.seed, rnd, 2 * a + 1), rows, label_dim=cfg.dim,
+                                                    matmul_dtype=low, layout=layout,
+                                                    first_hop=None if compat else (graph.entity_entity, e0)))
                     del e0, e_bar, x_cat  # the sums read only the gathered tail rows
-                    feats.append(triple_sums(ops, out_dtype=store))
+            feats = []
+            for a in range(len(operands)):
+                with self._stage("triple_view", device):
+                    ops, operands[a] = operands[a], None
+                    # Large (narrow-stored) runs add the second aspect into the first as it is summed, so the two
+                    # feature matrices are never held at once (one more pass over the tuples instead).
+                    fold = a == 1 and fold_in_place and feats[0].dtype == store  # (not if kept in fp32)
+                    if not (fold and triple_sums_into(ops, feats[0], 1 - cfg.alpha, cfg.alpha)):
+                        feats.append(triple_sums(ops, out_dtype=store))
                     del ops
-                if cfg.fusion == "sum" and a == 1:  # fold the second aspect in at once: one feature matrix left
+                if cfg.fusion == "sum" and len(feats) == 2:  # fold the second aspect in at once: one matrix left
                     with self._stage("fusion", device):
                         feats = [feats[0].mul_(1 - cfg.alpha).add_(feats[1], alpha=cfg.alpha)]
             with self._stage("fusion", device):
@@ -274,7 +287,6 @@ class LightTEA:
                 del feats
                 fused = l2n_(fused)  # row-wise, so the same as normalising each side
                 left, right = fused[:n_test], fused[n_test:]
-                del fused
             last = rnd == cfg.rounds
             with self._stage("similarity_topk", device):
                 # Entities without any fact have all-zero features: no candidate can be told apart for them, so
@@ -303,19 +315,21 @@ class LightTEA:
                     return lowrank_topk(lhs, rhs, k, cfg.block_rows, cfg.candidate_dim, cfg.rescore_top, stream,
                                         masked_rows, allowed_cols, mk, matmul_dtype=low_search)
 
+                check_after = bool(cfg.candidate_check_rows) and (subspace or search_kind == "faiss")
                 full, masked = _search_rows_with_facts(
                     search, left, right, k_eval, None if last or unmasked else open_left,
-                    None if last or unmasked else open_right, masked_k, active, has_facts)
+                    None if last or unmasked else open_right, masked_k, active, has_facts,
+                    features=None if check_after else fused)
                 if unmasked and not last:
                     masked = full
             check = None
-            if cfg.candidate_check_rows and (subspace or search_kind == "faiss"):
+            if check_after:
                 with self._stage("candidate_check", device):
                     pick = torch.randperm(n_test, generator=torch.Generator().manual_seed(cfg.seed + rnd)).to(device)
                     if active is not None:  # rows without facts have placeholder candidates, nothing to check
                         pick = pick[active[pick]]
                     check = candidate_recall(left, right, full, pick[: cfg.candidate_check_rows], has_facts)
-            del left, right
+            del left, right, fused
             with self._stage("temporal_similarity", device):
                 sims = self._with_time(full.values, simt(test_left, full.index))
             with self._stage("sinkhorn", device):
@@ -414,32 +428,71 @@ def _propagation_only(a: AspectGraph) -> AspectGraph:
     return AspectGraph(a.num_nodes, csr(a.x_from_head), csr(a.x_to_tail), empty)
 
 
-def _search_rows_with_facts(search, left, right, k, masked_rows, allowed_cols, masked_k, active, has_facts):
+def _search_rows_with_facts(search, left, right, k, masked_rows, allowed_cols, masked_k, active, has_facts,
+                            features: torch.Tensor | None = None):
     """``search(left, right, k, masked_rows, allowed_cols, masked_k)`` over the rows and columns with features only.
 
     Rows without features (``~active``) get ``k`` placeholder candidates that never include their own truth (they
     are kept out of Sinkhorn and count as misses); columns without features are nobody's candidate.
+
+    ``features``, when given, is the matrix whose first and last rows ``left`` and ``right`` are, and the caller
+    reads neither after this call: the rows with features are then moved to its front in place (`_compact_rows_`)
+    instead of copied out, which at scale is nearly a second copy of all features during the search.
     """
     if active is None or (bool(active.all()) and bool(has_facts.all())):
         return search(left, right, k, masked_rows, allowed_cols, masked_k)
     rows, cols = torch.nonzero(active)[:, 0], torch.nonzero(has_facts)[:, 0]
-    sub_full, sub_masked = search(left[rows], right[cols], k, None if masked_rows is None else masked_rows[rows],
+    if features is None:
+        lhs, rhs = left[rows], right[cols]
+    else:
+        lhs, rhs = _compact_rows_(features, torch.cat([rows, cols + len(left)]), len(rows))
+    sub_full, sub_masked = search(lhs, rhs, k, None if masked_rows is None else masked_rows[rows],
                                   None if allowed_cols is None else allowed_cols[cols], masked_k)
-
-    def widen(sub: TopK, keep: torch.Tensor, out_rows: torch.Tensor) -> TopK:
-        width = sub.index.shape[1]
-        # placeholder columns i+1, i+2, ...: valid positions that are never row i's own truth (column i)
-        index = (out_rows[:, None] + 1 + torch.arange(width, device=left.device)[None, :]) % len(right)
-        values = torch.zeros(len(out_rows), width, dtype=sub.values.dtype, device=left.device)
-        index[keep], values[keep] = cols[sub.index], sub.values
-        return TopK(values, index)
-
-    full = widen(sub_full, active, torch.arange(len(left), device=left.device))
+    del lhs, rhs
+    full = _widen(sub_full, active, torch.arange(len(left), device=left.device), cols, len(right))
+    del sub_full  # the widened copy replaces it
     masked = None
     if sub_masked is not None:
         open_rows = torch.nonzero(masked_rows)[:, 0]
-        masked = widen(sub_masked, active[open_rows], open_rows)
+        masked = _widen(sub_masked, active[open_rows], open_rows, cols, len(right))
     return full, masked
+
+
+def _widen(sub: TopK, keep: torch.Tensor, out_rows: torch.Tensor, cols: torch.Tensor, num_cols: int,
+           chunk: int = 16384) -> TopK:
+    """The candidates ``sub`` of the kept rows (bool ``keep`` over ``out_rows``), in columns ``cols``, spread back
+    over all of ``out_rows``: the other rows get placeholder columns ``i+1, i+2, ...`` (mod ``num_cols``), valid
+    positions that are never row ``i``'s own truth (column ``i``), with value 0."""
+    width = sub.index.shape[1]
+    steps = 1 + torch.arange(width, device=out_rows.device)[None, :]
+    index = torch.empty(len(out_rows), width, dtype=sub.index.dtype, device=out_rows.device)
+    values = torch.zeros(len(out_rows), width, dtype=sub.values.dtype, device=out_rows.device)
+    sub_pos = torch.cumsum(keep, 0) - 1  # the row of `sub` that holds each kept row
+    # a block of rows at a time: full-height temporaries would be as large as the result
+    for r0 in range(0, len(out_rows), chunk):
+        r1 = min(r0 + chunk, len(out_rows))
+        torch.remainder(out_rows[r0:r1, None] + steps, num_cols, out=index[r0:r1])
+        kept = r0 + torch.nonzero(keep[r0:r1])[:, 0]
+        if len(kept):
+            src = sub_pos[kept]
+            index[kept] = cols[sub.index[src]]
+            values[kept] = sub.values[src]
+    return TopK(values, index)
+
+
+def _compact_rows_(x: torch.Tensor, rows: torch.Tensor, split: int,
+                   chunk: int = 16384) -> tuple[torch.Tensor, torch.Tensor]:
+    """Moves ``x[rows]`` (``rows`` ascending) to the first ``len(rows)`` rows of ``x``, in place, and returns them as
+    ``(first split rows, the rest)``; ``x``'s other rows are left undefined.
+
+    Row ``rows[i] >= i`` goes to row ``i``, in ascending order and ``chunk`` rows at a time: every chunk is read
+    before it is written, and a later chunk's rows lie beyond the rows written so far, so nothing is read after it
+    was overwritten.
+    """
+    for r0 in range(0, len(rows), chunk):
+        part = rows[r0:r0 + chunk]
+        x[r0:r0 + len(part)] = x.index_select(0, part)
+    return x[:split], x[split:len(rows)]
 
 
 def _stream(seed: int, round_: int, purpose: int) -> torch.Generator:

@@ -322,20 +322,20 @@ def triple_operands(graph: TKGGraph, aspect: AspectGraph, e_bar: torch.Tensor, x
     return ops
 
 
-def triple_sums(ops: TripleOperands, block: int | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The second step of `triple_view`: the projected tails summed over the tuples, row-normalised."""
+def _default_block(ops: TripleOperands) -> int:
+    """Projections summed per pass: as many as keep the fp32 blocks (z over the tails, the sums over the output
+    rows) near 256 MB each, at least 8 and at most 64."""
+    layout, mini_dim = ops.layout, ops.proj.shape[2]
+    return max(8, min(64, (1 << 26) // (max(len(ops.layout.tails), layout.n_out, 1) * mini_dim)))
+
+
+def _column_blocks(ops: TripleOperands, block: int, buf: torch.Tensor | None = None,
+                   out: torch.Tensor | None = None):
+    """``(cols, sums)`` for each block of ``block`` projections: the fp32 sums over the tuples of those output
+    columns, unnormalised. They are written into ``out[:, cols]`` (fp32, n_out x D * mini_dim) when given, else
+    into ``buf`` (n_out x block * mini_dim fp32), so the caller must use each block before asking for the next."""
     layout, proj, e_tails, col0, label_dim = ops.layout, ops.proj, ops.e_tails, ops.col0, ops.label_dim
     aspect_dim, width, mini_dim = proj.shape
-    device = e_tails.device
-    if block is None:  # keep the fp32 blocks (z over the tails, the sums over the output rows) near 256 MB each
-        block = max(8, min(64, (1 << 26) // (max(len(layout.tails), layout.n_out, 1) * mini_dim)))
-    out = torch.empty(layout.n_out, aspect_dim * mini_dim, dtype=out_dtype, device=device)
-    # With a narrower out_dtype each column block is summed in fp32 into `buf` and stored rounded; the row norms are
-    # accumulated in fp32 on the way, and the rows are normalised at the end.
-    narrow = out_dtype != torch.float32
-    if narrow:
-        buf = torch.empty(layout.n_out, min(block, aspect_dim) * mini_dim, device=device)
-        sumsq = torch.zeros(layout.n_out, device=device)
     low = ops.matmul_dtype != torch.float32
     for j0 in range(0, aspect_dim, block):
         j1 = min(j0 + block, aspect_dim)
@@ -354,26 +354,83 @@ def triple_sums(ops: TripleOperands, block: int | None = None, out_dtype: torch.
             z = z.float()  # the sparse sums run in fp32
         w = layout.tuple_x @ ops.xq[:, j0:j1].contiguous()  # selected tuples x b
         cols = slice(j0 * mini_dim, j1 * mini_dim)
-        if not narrow:
-            weighted_segment_sum(layout.crow, layout.tail_pos, w, z, mini_dim, out[:, cols])
-            continue
-        part = buf[:, :(j1 - j0) * mini_dim]
+        part = out[:, cols] if out is not None else buf[:, :(j1 - j0) * mini_dim]
         weighted_segment_sum(layout.crow, layout.tail_pos, w, z, mini_dim, part)
         del z, w
-        norms = torch.linalg.vector_norm(part, dim=1)  # a row's norm bounds each of its entries
-        if float(norms.max()) > 0.5 * torch.finfo(out_dtype).max:  # could overflow: keep fp32 from here on
-            out, narrow = out.float(), False
-            out[:, cols] = part
-            continue
-        sumsq.add_(norms.square_())
-        out[:, cols] = part
+        yield cols, part
+
+
+def triple_sums(ops: TripleOperands, block: int | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The second step of `triple_view`: the projected tails summed over the tuples, row-normalised."""
+    layout, aspect_dim, mini_dim = ops.layout, ops.proj.shape[0], ops.proj.shape[2]
+    device = ops.e_tails.device
+    block = block or _default_block(ops)
+    out = torch.empty(layout.n_out, aspect_dim * mini_dim, dtype=out_dtype, device=device)
+    # With a narrower out_dtype each column block is summed in fp32 into `buf` and stored rounded; the row norms are
+    # accumulated in fp32 on the way, and the rows are normalised at the end.
+    narrow = out_dtype != torch.float32
+    if not narrow:
+        for _ in _column_blocks(ops, block, out=out):
+            pass
+        return l2n_(out)
+    buf = torch.empty(layout.n_out, min(block, aspect_dim) * mini_dim, device=device)
+    sumsq = torch.zeros(layout.n_out, device=device)
+    for cols, part in _column_blocks(ops, block, buf):
+        if narrow:
+            norms = torch.linalg.vector_norm(part, dim=1)  # a row's norm bounds each of its entries
+            if float(norms.max()) > 0.5 * torch.finfo(out_dtype).max:  # could overflow: keep fp32 from here on
+                out, narrow = out.float(), False
+            else:
+                sumsq.add_(norms.square_())
+        out[:, cols] = part  # rounded to out_dtype while narrow
     if not narrow:
         return l2n_(out)
-    scale = torch.rsqrt(torch.clamp(sumsq, min=EPS))
+    scale = _inverse_norms(sumsq)
     for r0 in range(0, layout.n_out, 16384):
         rows_ = slice(r0, r0 + 16384)
         out[rows_] = out[rows_].float().mul_(scale[rows_, None])
     return out
+
+
+def _inverse_norms(sumsq: torch.Tensor) -> torch.Tensor:
+    return torch.rsqrt(torch.clamp(sumsq, min=EPS))
+
+
+def triple_sums_into(ops: TripleOperands, into: torch.Tensor, keep: float, alpha: float,
+                     block: int | None = None) -> bool:
+    """``into <- keep * into + alpha * triple_sums(ops, out_dtype=into.dtype)``, without the second matrix.
+
+    Fusing two aspects by a weighted sum otherwise holds both aspects' feature matrices at once, the largest
+    allocation of the triple view at scale. The rows are normalised before they are added, and a row's norm is known
+    only once all its column blocks are summed, so this runs the sums twice: once for the row norms, once to add the
+    normalised blocks (the time of one more pass over the tuples for a matrix less). Each added value is the one
+    `triple_sums` would have stored, and each sum is rounded once (a fold of two stored fp16 matrices can round
+    ``alpha * value`` first, so the two differ by at most one fp16 step). For a narrow ``into`` (fp16) only:
+    returns False, with ``into`` untouched, when a sum could overflow that dtype (`triple_sums` keeps such a result
+    in fp32 instead).
+    """
+    layout, aspect_dim, mini_dim = ops.layout, ops.proj.shape[0], ops.proj.shape[2]
+    if into.dtype == torch.float32 or tuple(into.shape) != (layout.n_out, aspect_dim * mini_dim):
+        raise ValueError(f"triple_sums_into needs a narrow {layout.n_out} x {aspect_dim * mini_dim} matrix, got "
+                         f"{into.dtype} {tuple(into.shape)}")
+    block = block or _default_block(ops)
+    buf = torch.empty(layout.n_out, min(block, aspect_dim) * mini_dim, device=into.device)
+    sumsq = torch.zeros(layout.n_out, device=into.device)
+    limit = 0.5 * torch.finfo(into.dtype).max
+    for _, part in _column_blocks(ops, block, buf):
+        norms = torch.linalg.vector_norm(part, dim=1)
+        if float(norms.max()) > limit:
+            return False
+        sumsq.add_(norms.square_())
+    scale = _inverse_norms(sumsq)[:, None]
+    into.mul_(keep)
+    for cols, part in _column_blocks(ops, block, buf):
+        for r0 in range(0, layout.n_out, 16384):
+            rows_ = slice(r0, r0 + 16384)
+            # the value triple_sums stores (rounded, normalised, rounded again), added in fp32 and rounded once
+            value = part[rows_].to(into.dtype).float().mul_(scale[rows_]).to(into.dtype)
+            into[rows_, cols] = into[rows_, cols].float().add_(value.float(), alpha=alpha)
+    return True
 
 
 def first_hop_matrix(a_ee: torch.Tensor, e0: torch.Tensor | SeedLabels, tails: torch.Tensor, e1_tails: torch.Tensor,
