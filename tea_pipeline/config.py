@@ -133,9 +133,9 @@ class LightTEAConfig:
             reallocates large temporaries many times, and each fresh page costs a page fault; see
             `tea_pipeline.memory`. Peak RSS can grow a little.
         kept_memory_gb (`float`, *optional*, defaults to `4.0`):
-            With ``reuse_freed_memory``: when more than this many GB of freed memory are kept at the end of a round,
-            all of it goes back to the OS, so what one round freed does not add to the next round's peak
-            (`tea_pipeline.memory.trim_freed_memory`).
+            With ``reuse_freed_memory``: when more than this many GB of freed memory are kept as a stage starts or
+            a round ends, all of it goes back to the OS, so what one stage freed does not add to the next stage's
+            peak RSS (`tea_pipeline.memory.trim_freed_memory`).
         device (`str`, *optional*, defaults to `"auto"`):
             ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
         reference_compat (`bool`, *optional*, defaults to `False`):
@@ -188,7 +188,7 @@ class LightTEAConfig:
     reuse_freed_memory: bool = field(
         default=True, metadata={"help": "Keep freed memory for reuse while fit runs (fewer page faults)."})
     kept_memory_gb: float = field(
-        default=4.0, metadata={"help": "Freed memory (GB) kept from one round into the next with reuse_freed_memory."})
+        default=4.0, metadata={"help": "Freed memory (GB) kept from one stage into the next with reuse_freed_memory."})
     device: str = field(default="auto", metadata={"help": "'auto', 'cpu', 'cuda' or 'cuda:N'."})
     reference_compat: bool = field(default=False, metadata={"help": "Reproduce the reference code's quirks."})
 
@@ -238,7 +238,7 @@ class LightTEAConfig:
                                  f"(default {_default(name)}).")
         if isinstance(self.kept_memory_gb, bool) or not float(self.kept_memory_gb) >= 0:
             raise ValueError(f"LightTEAConfig.kept_memory_gb={self.kept_memory_gb!r} is invalid: it is the freed "
-                             "memory (GB) kept from one round into the next and must be >= 0 (0: keep none).")
+                             "memory (GB) kept from one stage into the next and must be >= 0 (0: keep none).")
         self.kept_memory_gb = float(self.kept_memory_gb)
         for name in ("alpha", "beta"):
             value = getattr(self, name)

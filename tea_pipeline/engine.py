@@ -32,7 +32,7 @@ from .propagation import (
     csr,
     l2n_,
     nonzero_rows,
-    propagate,
+    propagate_labels,
     triple_layout,
     triple_operands,
     triple_sums,
@@ -128,6 +128,7 @@ class LightTEA:
         self.timings: dict[str, float] = defaultdict(float)
         self._bar = None
         self._round = 0
+        self._kept_bytes: int | None = None  # set while fit keeps freed memory (reuse_freed_memory)
         self.current_stage: str | None = None  # the stage running now (read by memory samplers in benchmarks)
 
     # --------------------------------------------------------------------------------------------------------
@@ -135,6 +136,10 @@ class LightTEA:
     def _stage(self, name: str, device: torch.device):
         if self._bar is not None:
             self._bar.set_description(f"LightTEA round {self._round}: {name}")
+        if self._kept_bytes is not None:
+            # What the last stage freed is reused only in part by the next one (other shapes), so above the limit
+            # it goes back to the OS here rather than adding to this stage's peak RSS.
+            trim_freed_memory(self._kept_bytes)
         start = time.perf_counter()
         self.current_stage = name
         try:
@@ -205,8 +210,12 @@ class LightTEA:
     # --------------------------------------------------------------------------------------------------------
     def fit(self, pair: TKGPair, progress: bool = False) -> AlignmentResult:
         """Align the test pairs of ``pair``; returns per-round metrics, pseudo seeds, predictions and timings."""
-        with reuse_freed_memory(self.config.reuse_freed_memory):
-            return self._fit(pair, progress)
+        with reuse_freed_memory(self.config.reuse_freed_memory) as active:
+            self._kept_bytes = int(self.config.kept_memory_gb * 2**30) if active else None
+            try:
+                return self._fit(pair, progress)
+            finally:
+                self._kept_bytes = None
 
     def _fit(self, pair: TKGPair, progress: bool) -> AlignmentResult:
         cfg = self.config
@@ -259,13 +268,13 @@ class LightTEA:
                 with self._stage("label_propagation", device):
                     e0 = SeedLabels.draw(graph.num_entities, train.cpu(), cfg.dim,
                                          _stream(cfg.seed, rnd, 2 * a)).to(device)
-                    e_bar, x_cat = propagate(a_ee, spread[a], e0, cfg.lp_steps)
+                    prop = propagate_labels(a_ee, spread[a], e0, cfg.lp_steps)
                 with self._stage("triple_view", device):
-                    operands.append(triple_operands(graph, aspect, e_bar, x_cat, aspect_dim, cfg.mini_dim,
+                    operands.append(triple_operands(graph, aspect, prop, prop.x_cat, aspect_dim, cfg.mini_dim,
                                                     _stream(cfg.seed, rnd, 2 * a + 1), rows, label_dim=cfg.dim,
                                                     matmul_dtype=low, layout=layout,
                                                     first_hop=None if compat else (graph.entity_entity, e0)))
-                    del e0, e_bar, x_cat  # the sums read only the gathered tail rows
+                    del e0, prop  # the sums read only the gathered tail rows
             feats = []
             for a in range(len(operands)):
                 with self._stage("triple_view", device):
@@ -355,8 +364,8 @@ class LightTEA:
                     pseudo_all.append(new[:, :2].cpu().numpy())
                     metrics.pseudo_seeds_added, metrics.pseudo_seed_precision = len(new), correct
             del full, masked, sims, m, best  # round-sized results not needed any more: free before the next round
-            if cfg.reuse_freed_memory:
-                trim_freed_memory(int(cfg.kept_memory_gb * 2**30))  # more kept than this: all of it goes back
+            if self._kept_bytes is not None:
+                trim_freed_memory(self._kept_bytes)  # more kept than this: all of it goes back
             metrics.seconds = time.perf_counter() - t_round
             rounds.append(metrics)
             logger.info("round %d: H@1 %.4f H@10 %.4f MRR %.4f (+%d pseudo seeds)", rnd, h1, h10, mrr,

@@ -8,9 +8,10 @@ faults per run, a large share of the wall time on virtual machines where a fault
 stay there for the next allocation; on exit the previous policy is restored and the heap is trimmed, so the memory
 goes back to the OS once the run is over. Outside Linux/glibc it does nothing.
 
-What is kept is bounded between rounds: `trim_freed_memory` hands the free heap back to the OS when it holds more
-than a limit. Within a round the kept blocks are reused over and over. The blocks one round's search frees are not
-all reused by the next round's propagation, so on large pairs they would add to its peak.
+What is kept is bounded between stages: `trim_freed_memory` hands the free heap back to the OS when it holds more
+than a limit. Within a stage the kept blocks are reused over and over. The blocks one stage frees are not all reused
+by the next one (the search frees other shapes than the propagation allocates), so on large pairs they would add to
+its peak RSS.
 """
 
 from __future__ import annotations

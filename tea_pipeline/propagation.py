@@ -120,54 +120,131 @@ def csr_row_chunks(m: torch.Tensor, chunk: int) -> list[tuple[int, int, torch.Te
     return out
 
 
-def propagate(a_ee: torch.Tensor, aspect: AspectGraph, e0: torch.Tensor | SeedLabels, steps: int,
-              chunk_bytes: int = 1 << 28) -> tuple[torch.Tensor, ...]:
-    """L steps of entity/aspect propagation; returns (E_bar N x (L+1)d, X_cat X x (L+1)d), both row-normalised.
+@dataclass
+class Propagated:
+    """`propagate`'s result with the label block held by its labelled rows: ``E_bar = [labels | rest]``.
 
-    Each step is written into its column block of a preallocated ``E_bar`` and read from there by the next step (no
-    list of steps and no concatenated copy, which held ``E_bar`` twice at the end of the last step). The entity
-    product runs ``chunk_bytes`` of output rows at a time, written straight into its block: a full-height product
-    would allocate an N x d temporary, plus the copy into the block, and those would be the largest allocations of
-    the stage. The aspect term is accumulated into each chunk in place (``addmm_``). Given as `SeedLabels`, ``E0``
-    is written into its block of ``E_bar`` row by row and never held as a second N x d matrix.
+    The label block of ``E_bar`` is ``E0`` scaled by each row's normalisation, zero outside the labelled rows, and
+    the triple view reads it at those rows only; dense, it would be the largest part of ``E_bar`` that carries
+    nothing (an N x d fp32 block: 2 GB at a million entities and d = 512). ``rest`` (N x L d) are the propagated
+    blocks, normalised as parts of the whole row; ``labels`` is ``E0`` by its labelled rows as given (not copied:
+    late rounds label most entities) and ``label_scale`` each labelled row's normalisation.
     """
-    if isinstance(e0, SeedLabels):
-        n, d, like = e0.num_entities, e0.dim, e0.values
-    else:
-        (n, d), like = e0.shape, e0
-    width = (steps + 1) * d
-    e_bar = torch.empty(n, width, dtype=like.dtype, device=like.device)
-    x_cat = torch.zeros(aspect.num_nodes, width, dtype=like.dtype, device=like.device)
-    if isinstance(e0, SeedLabels):
+
+    rest: torch.Tensor
+    x_cat: torch.Tensor
+    labels: SeedLabels
+    label_scale: torch.Tensor
+
+    @property
+    def width(self) -> int:
+        """Columns of the whole ``E_bar``."""
+        return self.labels.dim + self.rest.shape[1]
+
+    def label_rows(self, index: torch.Tensor, dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
+                   chunk: int = 16384) -> torch.Tensor:
+        """The label block's rows ``labels.rows[index]`` in ``dtype`` (into ``out`` when given), ``chunk`` rows at a
+        time: no full-size fp32 copy of them."""
+        if out is None:
+            out = torch.empty(len(index), self.labels.dim, dtype=dtype or self.labels.values.dtype,
+                              device=self.labels.values.device)
+        for r0 in range(0, len(index), chunk):
+            i = index[r0:r0 + chunk]
+            out[r0:r0 + chunk] = self.labels.values[i] * self.label_scale[i, None]
+        return out
+
+    def dense(self) -> torch.Tensor:
+        """The whole N x (L+1)d ``E_bar``."""
+        d = self.labels.dim
+        e_bar = torch.empty(self.rest.shape[0], self.width, dtype=self.rest.dtype, device=self.rest.device)
         e_bar[:, :d] = 0
-        e_bar[e0.rows, :d] = e0.values
-    else:
-        e_bar[:, :d] = e0
+        e_bar[self.labels.rows, :d] = self.label_rows(torch.arange(len(self.labels.rows)))
+        e_bar[:, d:] = self.rest
+        return e_bar
+
+
+def _csr_columns(m: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """The CSR matrix ``m[:, cols]`` (``cols`` ascending), columns renumbered ``0..len(cols)-1``. The kept entries
+    stay in their order, so a product with it sums the same terms in the same order as ``m`` times a dense matrix
+    that is zero outside ``cols``."""
+    crow, col, val = m.crow_indices(), m.col_indices(), m.values()
+    pos = torch.full((m.shape[1],), -1, dtype=col.dtype, device=col.device)
+    pos[cols] = torch.arange(len(cols), dtype=col.dtype, device=col.device)
+    new_col = pos[col]
+    keep = new_col >= 0
+    row_of = torch.repeat_interleave(torch.arange(m.shape[0], device=col.device), crow[1:] - crow[:-1])
+    new_crow = torch.zeros(m.shape[0] + 1, dtype=crow.dtype, device=crow.device)
+    new_crow[1:] = torch.cumsum(torch.bincount(row_of[keep], minlength=m.shape[0]), 0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*[Ss]parse CSR tensor support is in beta.*")
+        return torch.sparse_csr_tensor(new_crow, new_col[keep], val[keep], (m.shape[0], len(cols)),
+                                       check_invariants=False)
+
+
+def propagate_labels(a_ee: torch.Tensor, aspect: AspectGraph, e0: torch.Tensor | SeedLabels, steps: int,
+                     chunk_bytes: int = 1 << 28) -> Propagated:
+    """L steps of entity/aspect propagation, the label block kept by its labelled rows (see `Propagated`).
+
+    Each step is written into its column block of a preallocated ``rest`` and read from there by the next step (no
+    list of steps and no concatenated copy). The first step reads ``E0`` through its labelled columns only
+    (``A_ee[:, L] E0[L]``), so ``E0`` is never a dense N x d matrix. The entity product runs ``chunk_bytes`` of
+    output rows at a time, written straight into its block: a full-height product would allocate an N x d
+    temporary, plus the copy into the block, and those would be the largest allocations of the stage. The aspect
+    term is accumulated into each chunk in place (``addmm_``). Every row is normalised as a whole at the end, its
+    squared norm summed from the label block's and the propagated blocks'.
+    """
+    if not isinstance(e0, SeedLabels):
+        rows, values = _labelled(e0)
+        e0 = SeedLabels(e0.shape[0], rows, values)
+    n, d, like = e0.num_entities, e0.dim, e0.values
+    rest = torch.empty(n, steps * d, dtype=like.dtype, device=like.device)
+    x_cat = torch.zeros(aspect.num_nodes, (steps + 1) * d, dtype=like.dtype, device=like.device)
     # CSR times a dense matrix is faster than coalesced COO for these products (bench/tea/README.md): convert once
     # here and reuse the CSR matrices in every step.
     a_ee, x_from_head, x_to_tail = (csr(m) for m in (a_ee, aspect.x_from_head, aspect.x_to_tail))
     rows = max(1, chunk_bytes // max(1, d * like.element_size()))
-    chunks = list(zip(csr_row_chunks(a_ee, rows), csr_row_chunks(x_to_tail, rows)))
+    tail_chunks = csr_row_chunks(x_to_tail, rows)
     for s in range(1, steps + 1):
-        # the previous step is read in place from its block (the sparse products take the strided view as is)
-        e, x = e_bar[:, (s - 1) * d:s * d], x_cat[:, (s - 1) * d:s * d]
-        x_cat[:, s * d:(s + 1) * d] = l2n_(x_from_head @ e)  # aspect nodes gather from their head entities
-        x = x.contiguous()
+        if s == 1:  # from E0, through its labelled columns
+            a, e = _csr_columns(a_ee, e0.rows), e0.values
+            x_cat[:, d:2 * d] = l2n_(_csr_columns(x_from_head, e0.rows) @ e)
+        else:  # the previous step, read in place from its block (the sparse products take the strided view)
+            a, e = a_ee, rest[:, (s - 2) * d:(s - 1) * d]
+            x_cat[:, s * d:(s + 1) * d] = l2n_(x_from_head @ e)  # aspect nodes gather from their head entities
+        x = x_cat[:, (s - 1) * d:s * d].contiguous()
         # entities gather from neighbours (+ self) and aspect nodes
-        for (r0, r1, a_rows), (_, _, t_rows) in chunks:
-            e_bar[r0:r1, s * d:(s + 1) * d] = l2n_((a_rows @ e).addmm_(t_rows, x))
-    return l2n_(e_bar), l2n_(x_cat)
+        for (r0, r1, a_rows), (_, _, t_rows) in zip(csr_row_chunks(a, rows), tail_chunks):
+            rest[r0:r1, (s - 1) * d:s * d] = l2n_((a_rows @ e).addmm_(t_rows, x))
+        del a
+    sumsq = torch.linalg.vector_norm(rest, dim=1).square_()
+    sumsq.index_add_(0, e0.rows, torch.linalg.vector_norm(e0.values, dim=1).square_())
+    scale = torch.rsqrt(torch.clamp(sumsq, min=EPS))
+    rest.mul_(scale[:, None])
+    return Propagated(rest, l2n_(x_cat), e0, scale[e0.rows])
+
+
+def propagate(a_ee: torch.Tensor, aspect: AspectGraph, e0: torch.Tensor | SeedLabels, steps: int,
+              chunk_bytes: int = 1 << 28) -> tuple[torch.Tensor, ...]:
+    """L steps of entity/aspect propagation; returns (E_bar N x (L+1)d, X_cat X x (L+1)d), both row-normalised.
+
+    `propagate_labels` with its label block written out densely; `LightTEA` keeps the `Propagated` form, which
+    `triple_operands` reads as it is.
+    """
+    p = propagate_labels(a_ee, aspect, e0, steps, chunk_bytes)
+    return p.dense(), p.x_cat
 
 
 def gather_rows(x: torch.Tensor, rows: torch.Tensor, col0: int = 0, dtype: torch.dtype | None = None,
-                chunk: int = 16384) -> torch.Tensor:
+                chunk: int = 16384, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x[rows, col0:]`` as a contiguous matrix in ``dtype`` (default: ``x``'s), gathered ``chunk`` rows at a time.
 
     Same values as ``x[rows][:, col0:].to(dtype)``, without the full-width copy of the gathered rows and without
-    holding the narrower copy in ``x``'s dtype first.
+    holding the narrower copy in ``x``'s dtype first. With ``out`` (``len(rows)`` rows, may be a column slice of a
+    larger matrix) the rows are written there in its dtype.
     """
     src = x[:, col0:]
-    out = torch.empty(len(rows), src.shape[1], dtype=dtype or x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(len(rows), src.shape[1], dtype=dtype or x.dtype, device=x.device)
     for r0 in range(0, len(rows), chunk):
         out[r0:r0 + chunk] = src.index_select(0, rows[r0:r0 + chunk])
     return out
@@ -227,8 +304,8 @@ def triple_layout(graph: TKGGraph, aspect: AspectGraph, rows: torch.Tensor | Non
     return TripleLayout(n_out, crow, tail_pos.contiguous(), tails, csr(tuple_x))
 
 
-def triple_view(graph: TKGGraph, aspect: AspectGraph, e_bar: torch.Tensor, x_cat: torch.Tensor, aspect_dim: int,
-                mini_dim: int, generator: torch.Generator, rows: torch.Tensor | None = None,
+def triple_view(graph: TKGGraph, aspect: AspectGraph, e_bar: torch.Tensor | Propagated, x_cat: torch.Tensor,
+                aspect_dim: int, mini_dim: int, generator: torch.Generator, rows: torch.Tensor | None = None,
                 block: int | None = None, label_dim: int | None = None,
                 matmul_dtype: torch.dtype = torch.float32, layout: TripleLayout | None = None,
                 first_hop: tuple[torch.Tensor, torch.Tensor | SeedLabels] | None = None,
@@ -252,7 +329,7 @@ def triple_view(graph: TKGGraph, aspect: AspectGraph, e_bar: torch.Tensor, x_cat
 
     The work is split in two (`triple_operands`, then `triple_sums`) so that a caller can free ``E_bar`` and ``E0``
     before the sums run: only the gathered tail rows are read after the first step. ``block`` projections are summed
-    at a time (default: as many as keep each ``|tails| x block * mini_dim`` fp32 block near 256 MB, at most 64).
+    at a time (default: as many as keep each ``|tails| x block * mini_dim`` fp32 block near 128 MB, at most 64).
 
     ``first_hop = (A_ee, E0)``, the adjacency and seed labels `propagate` started from (with ``label_dim``): the
     second block of ``E_bar`` is the normalised ``A_ee E0``, and ``E0`` is zero outside the labelled rows, so its
@@ -287,46 +364,85 @@ class TripleOperands:
     hop_labels: torch.Tensor | None = None
 
 
-def triple_operands(graph: TKGGraph, aspect: AspectGraph, e_bar: torch.Tensor, x_cat: torch.Tensor,
+def triple_operands(graph: TKGGraph, aspect: AspectGraph, e_bar: torch.Tensor | Propagated, x_cat: torch.Tensor,
                     aspect_dim: int, mini_dim: int, generator: torch.Generator, rows: torch.Tensor | None = None,
                     label_dim: int | None = None, matmul_dtype: torch.dtype = torch.float32,
                     layout: TripleLayout | None = None,
                     first_hop: tuple[torch.Tensor, torch.Tensor | SeedLabels] | None = None) -> TripleOperands:
-    """The first step of `triple_view`: draws the projections and gathers what the sums need from ``E_bar``."""
-    width = e_bar.shape[1]
-    device = e_bar.device
+    """The first step of `triple_view`: draws the projections and gathers what the sums need from ``E_bar``.
+
+    ``E_bar`` is the whole matrix or its `Propagated` form (then ``label_dim`` is its label block's width); both give
+    the same operands.
+    """
+    split = isinstance(e_bar, Propagated)
+    if split:
+        if label_dim not in (None, e_bar.labels.dim):
+            raise ValueError(f"label_dim={label_dim} but the propagated labels are {e_bar.labels.dim} wide")
+        label_dim = e_bar.labels.dim
+    width = e_bar.width if split else e_bar.shape[1]
+    device = x_cat.device
     q = l2n(torch.randn(width, aspect_dim, generator=generator)).to(device)
     proj = l2n(torch.randn(aspect_dim, width, mini_dim, generator=generator)).to(device)
     if layout is None:
         layout = triple_layout(graph, aspect, rows)
-    ops = TripleOperands(layout, x_cat @ q, proj, e_tails=e_bar[:0], col0=0, label_dim=label_dim,
+    ops = TripleOperands(layout, x_cat @ q, proj, e_tails=x_cat[:0], col0=0, label_dim=label_dim,
                          matmul_dtype=matmul_dtype)
     tails = layout.tails
+
+    def columns(c0: int, c1: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``E_bar[tails, c0:c1]`` (c0 past the label block when split)."""
+        if not split:
+            return gather_rows(e_bar if c1 is None else e_bar[:, :c1], tails, c0, dtype)
+        rest = e_bar.rest if c1 is None else e_bar.rest[:, :c1 - label_dim]
+        return gather_rows(rest, tails, c0 - label_dim, dtype)
+
+    labelled = None  # split: (positions in tails, rows of labels.values) of the labelled tails
     if label_dim is not None and 0 < label_dim < width:
-        nz = torch.nonzero(nonzero_rows(e_bar[:, :label_dim], tails))[:, 0]
+        if split:
+            labelled = _positions_in(e_bar.labels.rows, tails)
+            nz = labelled[0]
+        else:
+            nz = torch.nonzero(nonzero_rows(e_bar[:, :label_dim], tails))[:, 0]
         if len(nz) < 0.75 * len(tails):
             ops.sparse_rows = nz
-            ops.e_labels = gather_rows(e_bar[:, :label_dim], tails[nz], dtype=matmul_dtype)
+            ops.e_labels = (e_bar.label_rows(labelled[1], matmul_dtype) if split
+                            else gather_rows(e_bar[:, :label_dim], tails[nz], dtype=matmul_dtype))
             ops.col0 = label_dim
     # Only for fp32 products: where they run in bf16 on bf16 units the dense product is cheaper than the sparse one.
+    dtype_of = e_bar.rest.dtype if split else e_bar.dtype
     if (ops.sparse_rows is not None and first_hop is not None and width >= 2 * label_dim
-            and matmul_dtype == e_bar.dtype):
-        hop = first_hop_matrix(first_hop[0], first_hop[1], tails, gather_rows(e_bar[:, :2 * label_dim], tails,
-                                                                               label_dim))
+            and matmul_dtype == dtype_of):
+        hop = first_hop_matrix(first_hop[0], first_hop[1], tails, columns(label_dim, 2 * label_dim))
         if hop is not None:
             ops.hop_matrix, hop_rows = hop
             ops.hop_labels = _rows_of(first_hop[1], hop_rows).to(matmul_dtype)
             ops.col0 = 2 * label_dim  # what is left dense: blocks 2..L
     # only the columns multiplied densely, gathered straight into the product dtype
-    ops.e_tails = gather_rows(e_bar, tails, ops.col0, matmul_dtype)
+    if not split or ops.col0 >= label_dim:
+        ops.e_tails = columns(ops.col0, dtype=matmul_dtype)
+    else:  # the label block dense too: written out at the labelled tails
+        ops.e_tails = torch.zeros(len(tails), width, dtype=matmul_dtype, device=device)
+        for r0 in range(0, len(labelled[0]), 16384):  # a chunk at a time: no fp32 copy of the labelled rows
+            at = labelled[0][r0:r0 + 16384]
+            ops.e_tails[at, :label_dim] = e_bar.label_rows(labelled[1][r0:r0 + 16384], matmul_dtype)
+        gather_rows(e_bar.rest, tails, out=ops.e_tails[:, label_dim:])
     return ops
+
+
+def _positions_in(ids: torch.Tensor, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(i, j)`` with ``query[i] == ids[j]``, for ascending ``ids``: where ``query`` meets ``ids``, and at which of
+    them."""
+    j = torch.searchsorted(ids, query).clamp_(max=max(len(ids) - 1, 0))
+    i = torch.nonzero(ids[j] == query)[:, 0] if len(ids) else torch.zeros(0, dtype=torch.long, device=query.device)
+    return i, j[i]
 
 
 def _default_block(ops: TripleOperands) -> int:
     """Projections summed per pass: as many as keep the fp32 blocks (z over the tails, the sums over the output
-    rows) near 256 MB each, at least 8 and at most 64."""
+    rows) near 128 MB each, at least 2 and at most 64. Small blocks cost little time (the gathers from a smaller z
+    run faster, bench/tea/README.md) and at scale they sit on top of the triple view's peak."""
     layout, mini_dim = ops.layout, ops.proj.shape[2]
-    return max(8, min(64, (1 << 26) // (max(len(ops.layout.tails), layout.n_out, 1) * mini_dim)))
+    return max(2, min(64, (1 << 25) // (max(len(ops.layout.tails), layout.n_out, 1) * mini_dim)))
 
 
 def _column_blocks(ops: TripleOperands, block: int, buf: torch.Tensor | None = None,
@@ -474,6 +590,6 @@ def aspect_features(graph: TKGGraph, aspect: AspectGraph, train_pairs: torch.Ten
     """The output of one aspect: seed labels -> propagation -> triple view (rows ``rows``)."""
     device = graph.entity_entity.device
     e0 = SeedLabels.draw(graph.num_entities, train_pairs.cpu(), dim, generator).to(device)
-    e_bar, x_cat = propagate(graph.entity_entity, aspect, e0, steps)
-    return triple_view(graph, aspect, e_bar, x_cat, aspect_dim, mini_dim, generator, rows, label_dim=dim,
+    prop = propagate_labels(graph.entity_entity, aspect, e0, steps)
+    return triple_view(graph, aspect, prop, prop.x_cat, aspect_dim, mini_dim, generator, rows, label_dim=dim,
                        matmul_dtype=matmul_dtype, first_hop=(graph.entity_entity, e0))

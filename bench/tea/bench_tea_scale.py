@@ -8,7 +8,8 @@ live allocations (``stage_peak_live_gb``: RSS also counts freed memory kept for 
 per-stage seconds, the whole wall time (generation + alignment; interpreter start and imports are reported
 separately), H@1/H@10/MRR, the search used and the features' storage dtype.
 
-The main series runs ``--search`` (default ``auto``: faiss from ``faiss_min_rows`` test pairs on, exact below). At
+The main series runs ``--search`` (default ``auto``: faiss from ``faiss_min_rows`` test pairs on, exact below; a size
+run with the exact search only stands in the series with that search). At
 ``--exact-sizes`` the scalable search (``--scalable-search``, default faiss) and the exact one
 (``candidate_search="exact"``, the quadratic PyTorch search) are both run, and ``h1_gap_vs_exact`` is the largest
 (exact H@1 - scalable H@1) over them. ``time_exponent`` is the least-squares slope
@@ -157,7 +158,6 @@ def main() -> None:
     ap.add_argument("--scalable-search", default="faiss", help="candidate_search of the scalable runs at sizes "
                                                                "where they are compared with the exact one.")
     ap.add_argument("--nprobe", type=int, default=None, help="faiss_nprobe (default: the config's).")
-    ap.add_argument("--faiss-min-rows", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=3600, help="Seconds per run before it is abandoned.")
@@ -165,10 +165,6 @@ def main() -> None:
     ap.add_argument("--merge", action="store_true", help="Keep runs of the existing output not re-run now.")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.faiss_min_rows is None:
-        from tea_pipeline import LightTEAConfig
-
-        args.faiss_min_rows = LightTEAConfig().faiss_min_rows
     if args.child:
         scale, search = args.child.split(":")
         print("RESULT " + json.dumps(child(float(scale), search, args.seed, args.rounds, args.nprobe)), flush=True)
@@ -210,10 +206,10 @@ def main() -> None:
     compared = {r["scale"]: r for r in ok if r["requested_search"] == args.scalable_search}
     gaps = {f"{s:g}x": round(exact[s]["final"]["hits@1"] - compared[s]["final"]["hits@1"], 4)
             for s in exact if s in compared and compared[s]["search"] != "exact"}
-    # The series of the summary: the `--search` runs; where that is "auto" and auto resolves to the exact search
-    # (below faiss_min_rows) the exact run stands for it (the same computation).
+    # The series of the summary: the `--search` runs. Where that is "auto" and a size has no auto run, its exact run
+    # stands for it: below faiss_min_rows that is the same computation; above it, it is the run whose accuracy the
+    # scalable search is measured against (the summary's `search` names which one each size ran).
     scalable = {r["scale"]: r for r in ok if r["requested_search"] == "exact"} if args.search == "auto" else {}
-    scalable = {s: r for s, r in scalable.items() if r["data"]["test"] < args.faiss_min_rows}
     scalable.update({r["scale"]: r for r in ok if r["requested_search"] == args.search})
     exponent, exp_sizes = fit_exponent(list(scalable.values()), 2, 10)
     if exponent is None:  # not enough of 2x..10x ran: fit over what did, and say so in time_exponent_sizes

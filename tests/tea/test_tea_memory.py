@@ -1,6 +1,9 @@
 """tea_pipeline's memory-saving paths against the computations they replace, on small generated data.
 
 * `propagate` writing into a preallocated ``E_bar``, in row blocks, equals the list-and-concatenate version;
+* the label block kept by its labelled rows (`propagate_labels`) gives the same triple-view operands and sums as the
+  dense ``E_bar``, with few labels (sparse label rows) and with many (label block gathered densely), fp32 products
+  through the first-hop matrix and bf16 products alike;
 * the chunked gathers (`gather_rows`, `nonzero_rows`) equal plain indexing;
 * the triple view stored in fp16 equals the fp32 one up to fp16 rounding, and falls back to fp32 where fp16 would
   overflow; the second aspect added into the first as it is summed equals the fold of two stored matrices;
@@ -23,11 +26,13 @@ from tea_pipeline.engine import FP16_FEATURES_MIN_BYTES
 from tea_pipeline.kernels import gathered_dot
 from tea_pipeline.propagation import (
     SeedLabels,
+    _csr_columns,
     csr,
     first_hop_matrix,
     gather_rows,
     l2n_,
     nonzero_rows,
+    propagate_labels,
     seed_labels,
     triple_operands,
     triple_sums,
@@ -89,6 +94,41 @@ def test_seed_labels_by_rows_equal_the_dense_matrix_in_propagation_and_the_first
     views = [triple_view(g, g.relation, e_bar, x_cat, 4, 4, torch.Generator().manual_seed(5), label_dim=16,
                          first_hop=(g.entity_entity, e0)) for e0 in (labels, dense)]
     assert torch.equal(views[0], views[1])
+
+
+def test_csr_columns_equal_dense_column_selection() -> None:
+    gen = torch.Generator().manual_seed(2)
+    m = torch.randn(13, 17, generator=gen) * (torch.rand(13, 17, generator=gen) < 0.3)
+    cols = torch.tensor([0, 3, 4, 9, 16])
+    got = _csr_columns(csr(m.to_sparse_coo()), cols)
+    assert torch.equal(got.to_dense(), m[:, cols])
+    assert _csr_columns(csr(m.to_sparse_coo()), cols[:0]).to_dense().shape == (13, 0)
+
+
+@pytest.mark.parametrize("share", [0.2, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_labels_by_rows_give_the_operands_and_sums_of_the_dense_e_bar(small_pair, share: float,
+                                                                         dtype: torch.dtype) -> None:
+    """``share`` of the entities labelled: 0.2 keeps the label rows sparse, 1.0 gathers the label block densely."""
+    g = build_graph(small_pair)
+    gen = torch.Generator().manual_seed(4)
+    n_pairs = max(1, int(share * g.num_entities / 2))
+    ids = torch.randperm(g.num_entities, generator=gen)[:2 * n_pairs].view(-1, 2)
+    labels = SeedLabels.draw(g.num_entities, ids, 16, gen)
+    rows = torch.from_numpy(small_pair.test.reshape(-1))
+    prop = propagate_labels(g.entity_entity, g.time, labels, 2)
+    dense = prop.dense()
+    e_bar, x_cat = propagate(g.entity_entity, g.time, labels, 2)
+    assert torch.equal(dense, e_bar) and torch.equal(prop.x_cat, x_cat)
+    assert not bool(dense[:, :16].abs().amax(1)[~torch.isin(torch.arange(g.num_entities), labels.rows)].any())
+    kw = {"rows": rows, "label_dim": 16, "matmul_dtype": dtype, "first_hop": (g.entity_entity, labels)}
+    ops = [triple_operands(g, g.time, e, x_cat, 6, 4, torch.Generator().manual_seed(5), **kw) for e in (prop, dense)]
+    for name in ("e_tails", "sparse_rows", "e_labels", "hop_labels", "proj", "xq"):
+        a, b = getattr(ops[0], name), getattr(ops[1], name)
+        assert (a is None and b is None) or torch.equal(a, b), name
+    assert ops[0].col0 == ops[1].col0 == (16 if share < 0.5 and dtype != torch.float32 else
+                                          32 if share < 0.5 else 0)
+    assert torch.equal(triple_sums(ops[0], block=2), triple_sums(ops[1], block=2))
 
 
 def test_chunked_gathers_equal_plain_indexing() -> None:
