@@ -12,11 +12,13 @@ from .engine import AlignmentResult, LightTEA, RoundMetrics
 from .graph import TKGGraph, build_graph, time_counts
 from .kernels import native_kernels
 from .propagation import (
+    Propagated,
     SeedLabels,
     TripleLayout,
     aspect_features,
     l2n,
     propagate,
+    propagate_labels,
     seed_labels,
     triple_layout,
     triple_view,
@@ -29,6 +31,7 @@ __all__ = [
     "AlignmentResult",
     "LightTEA",
     "LightTEAConfig",
+    "Propagated",
     "RoundMetrics",
     "SeedLabels",
     "TKGDataError",
@@ -47,6 +50,7 @@ __all__ = [
     "make_synthetic_pair",
     "native_kernels",
     "propagate",
+    "propagate_labels",
     "seed_labels",
     "sparse_sinkhorn",
     "time_counts",

@@ -325,10 +325,16 @@ class LightTEA:
                                         masked_rows, allowed_cols, mk, matmul_dtype=low_search)
 
                 check_after = bool(cfg.candidate_check_rows) and (subspace or search_kind == "faiss")
-                full, masked = _search_rows_with_facts(
+                found = _search_rows_with_facts(
                     search, left, right, k_eval, None if last or unmasked else open_left,
                     None if last or unmasked else open_right, masked_k, active, has_facts,
                     features=None if check_after else fused)
+                if not check_after:
+                    # not read again: the features go before the candidates are widened to all rows, the largest
+                    # allocations of the search at scale
+                    del left, right, fused
+                full, masked = found.widen()
+                del found
                 if unmasked and not last:
                     masked = full
             check = None
@@ -338,7 +344,7 @@ class LightTEA:
                     if active is not None:  # rows without facts have placeholder candidates, nothing to check
                         pick = pick[active[pick]]
                     check = candidate_recall(left, right, full, pick[: cfg.candidate_check_rows], has_facts)
-            del left, right, fused
+                del left, right, fused
             with self._stage("temporal_similarity", device):
                 sims = self._with_time(full.values, simt(test_left, full.index))
             with self._stage("sinkhorn", device):
@@ -437,19 +443,45 @@ def _propagation_only(a: AspectGraph) -> AspectGraph:
     return AspectGraph(a.num_nodes, csr(a.x_from_head), csr(a.x_to_tail), empty)
 
 
+@dataclass
+class _FoundRows:
+    """The candidates of the rows with features (`_search_rows_with_facts`), before they are spread over all rows."""
+
+    full: TopK | None
+    masked: TopK | None
+    active: torch.Tensor | None = None  # None: the search ran over all rows and columns, nothing to widen
+    cols: torch.Tensor | None = None
+    masked_rows: torch.Tensor | None = None
+    num_rows: int = 0
+    num_cols: int = 0
+
+    def widen(self) -> tuple[TopK, TopK | None]:
+        """``(full, masked)`` over all rows; each searched result is dropped as soon as its widened copy exists."""
+        full, masked, self.full, self.masked = self.full, self.masked, None, None
+        if self.active is None:
+            return full, masked
+        device = self.active.device
+        full = _widen(full, self.active, torch.arange(self.num_rows, device=device), self.cols, self.num_cols)
+        if masked is not None:
+            open_rows = torch.nonzero(self.masked_rows)[:, 0]
+            masked = _widen(masked, self.active[open_rows], open_rows, self.cols, self.num_cols)
+        return full, masked
+
+
 def _search_rows_with_facts(search, left, right, k, masked_rows, allowed_cols, masked_k, active, has_facts,
-                            features: torch.Tensor | None = None):
+                            features: torch.Tensor | None = None) -> _FoundRows:
     """``search(left, right, k, masked_rows, allowed_cols, masked_k)`` over the rows and columns with features only.
 
     Rows without features (``~active``) get ``k`` placeholder candidates that never include their own truth (they
-    are kept out of Sinkhorn and count as misses); columns without features are nobody's candidate.
+    are kept out of Sinkhorn and count as misses); columns without features are nobody's candidate. The result is
+    widened to all rows by `_FoundRows.widen`, which the caller runs once it has freed what it no longer reads.
 
     ``features``, when given, is the matrix whose first and last rows ``left`` and ``right`` are, and the caller
     reads neither after this call: the rows with features are then moved to its front in place (`_compact_rows_`)
     instead of copied out, which at scale is nearly a second copy of all features during the search.
     """
     if active is None or (bool(active.all()) and bool(has_facts.all())):
-        return search(left, right, k, masked_rows, allowed_cols, masked_k)
+        return _FoundRows(*search(left, right, k, masked_rows, allowed_cols, masked_k))
     rows, cols = torch.nonzero(active)[:, 0], torch.nonzero(has_facts)[:, 0]
     if features is None:
         lhs, rhs = left[rows], right[cols]
@@ -457,14 +489,7 @@ def _search_rows_with_facts(search, left, right, k, masked_rows, allowed_cols, m
         lhs, rhs = _compact_rows_(features, torch.cat([rows, cols + len(left)]), len(rows))
     sub_full, sub_masked = search(lhs, rhs, k, None if masked_rows is None else masked_rows[rows],
                                   None if allowed_cols is None else allowed_cols[cols], masked_k)
-    del lhs, rhs
-    full = _widen(sub_full, active, torch.arange(len(left), device=left.device), cols, len(right))
-    del sub_full  # the widened copy replaces it
-    masked = None
-    if sub_masked is not None:
-        open_rows = torch.nonzero(masked_rows)[:, 0]
-        masked = _widen(sub_masked, active[open_rows], open_rows, cols, len(right))
-    return full, masked
+    return _FoundRows(sub_full, sub_masked, active, cols, masked_rows, len(left), len(right))
 
 
 def _widen(sub: TopK, keep: torch.Tensor, out_rows: torch.Tensor, cols: torch.Tensor, num_cols: int,
