@@ -133,9 +133,9 @@ class LightTEAConfig:
             reallocates large temporaries many times, and each fresh page costs a page fault; see
             `tea_pipeline.memory`. Peak RSS can grow a little.
         kept_memory_gb (`float`, *optional*, defaults to `4.0`):
-            With ``reuse_freed_memory``: when more than this many GB of freed memory are kept as a stage starts or
-            a round ends, all of it goes back to the OS, so what one stage freed does not add to the next stage's
-            peak RSS (`tea_pipeline.memory.trim_freed_memory`).
+            With ``reuse_freed_memory``: when more than this many GB of freed memory are kept as a stage starts,
+            all of it goes back to the OS, so what one stage freed does not add to the next stage's peak RSS
+            (`tea_pipeline.memory.trim_freed_memory`).
         device (`str`, *optional*, defaults to `"auto"`):
             ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
         reference_compat (`bool`, *optional*, defaults to `False`):

@@ -370,8 +370,6 @@ class LightTEA:
                     pseudo_all.append(new[:, :2].cpu().numpy())
                     metrics.pseudo_seeds_added, metrics.pseudo_seed_precision = len(new), correct
             del full, masked, sims, m, best  # round-sized results not needed any more: free before the next round
-            if self._kept_bytes is not None:
-                trim_freed_memory(self._kept_bytes)  # more kept than this: all of it goes back
             metrics.seconds = time.perf_counter() - t_round
             rounds.append(metrics)
             logger.info("round %d: H@1 %.4f H@10 %.4f MRR %.4f (+%d pseudo seeds)", rnd, h1, h10, mrr,

@@ -142,15 +142,16 @@ class Propagated:
         return self.labels.dim + self.rest.shape[1]
 
     def label_rows(self, index: torch.Tensor, dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
-                   chunk: int = 16384) -> torch.Tensor:
-        """The label block's rows ``labels.rows[index]`` in ``dtype`` (into ``out`` when given), ``chunk`` rows at a
-        time: no full-size fp32 copy of them."""
+                   at: torch.Tensor | None = None, chunk: int = 16384) -> torch.Tensor:
+        """The label block's rows ``labels.rows[index]`` in ``dtype``, ``chunk`` rows at a time: no full-size fp32
+        copy of them. With ``out`` they are written into its rows ``at`` (default: its first rows), in its dtype."""
         if out is None:
             out = torch.empty(len(index), self.labels.dim, dtype=dtype or self.labels.values.dtype,
                               device=self.labels.values.device)
         for r0 in range(0, len(index), chunk):
             i = index[r0:r0 + chunk]
-            out[r0:r0 + chunk] = self.labels.values[i] * self.label_scale[i, None]
+            rows = slice(r0, r0 + len(i)) if at is None else at[r0:r0 + chunk]
+            out[rows] = (self.labels.values[i] * self.label_scale[i, None]).to(out.dtype)
         return out
 
     def dense(self) -> torch.Tensor:
@@ -422,9 +423,7 @@ def triple_operands(graph: TKGGraph, aspect: AspectGraph, e_bar: torch.Tensor | 
         ops.e_tails = columns(ops.col0, dtype=matmul_dtype)
     else:  # the label block dense too: written out at the labelled tails
         ops.e_tails = torch.zeros(len(tails), width, dtype=matmul_dtype, device=device)
-        for r0 in range(0, len(labelled[0]), 16384):  # a chunk at a time: no fp32 copy of the labelled rows
-            at = labelled[0][r0:r0 + 16384]
-            ops.e_tails[at, :label_dim] = e_bar.label_rows(labelled[1][r0:r0 + 16384], matmul_dtype)
+        e_bar.label_rows(labelled[1], out=ops.e_tails[:, :label_dim], at=labelled[0])
         gather_rows(e_bar.rest, tails, out=ops.e_tails[:, label_dim:])
     return ops
 
