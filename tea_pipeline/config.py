@@ -81,8 +81,10 @@ class LightTEAConfig:
             Dtype of the two large approximate products, the subspace candidate search and the triple view's random
             projections: ``"bfloat16"``, ``"float32"``, ``"int8"`` (the candidate search's block products in int8
             with per-row scales and int32 accumulation on CPU, the projections in fp32), or ``"auto"`` (bf16 on CUDA and
-            on CPUs that multiply bf16 natively, AMX or AVX512-BF16; fp32 elsewhere). Exact re-scoring, Sinkhorn and
-            evaluation stay fp32; ``reference_compat=True`` uses fp32 throughout.
+            on CPUs that multiply bf16 natively, AMX or AVX512-BF16; fp32 elsewhere). The triple view's fp32
+            products read their inputs (rows of the propagated labels) from fp16 storage: half the memory and the
+            bytes read, at fp16 rounding of row-normalised values. Exact re-scoring, Sinkhorn and evaluation stay
+            fp32; ``reference_compat=True`` uses fp32 throughout.
         feature_dtype (`str`, *optional*, defaults to `"auto"`):
             Storage dtype of the per-aspect and fused entity features, the largest matrices of a run (test rows x
             ``mini_dim * aspect_dim``): ``"float16"`` halves them (sums, norms, products and scores still run in

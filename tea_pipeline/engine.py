@@ -225,6 +225,8 @@ class LightTEA:
         aspect_dim = self.aspect_dim(pair)
         low = torch.float32 if compat else matmul_dtype(cfg.matmul_precision, device)
         low_search = torch.float32 if compat else search_dtype(cfg.matmul_precision, device)
+        # fp32 products read their operands from fp16 storage: half the memory and the bytes (`triple_operands`)
+        operand = torch.float16 if low == torch.float32 and not compat else low
         store = self.feature_dtype(aspect_dim, pair.num_entities)
         fold_in_place = cfg.fusion == "sum" and store != torch.float32
         bar = self._bar = _progress(progress, cfg.rounds)
@@ -272,7 +274,7 @@ class LightTEA:
                 with self._stage("triple_view", device):
                     operands.append(triple_operands(graph, aspect, prop, prop.x_cat, aspect_dim, cfg.mini_dim,
                                                     _stream(cfg.seed, rnd, 2 * a + 1), rows, label_dim=cfg.dim,
-                                                    matmul_dtype=low, layout=layout,
+                                                    matmul_dtype=low, operand_dtype=operand, layout=layout,
                                                     first_hop=None if compat else (graph.entity_entity, e0)))
                     del e0, prop  # the sums read only the gathered tail rows
             feats = []
@@ -319,10 +321,13 @@ class LightTEA:
                                         cfg.rescore_top if subspace else 0, stream, masked_rows, allowed_cols, mk,
                                         matmul_dtype=low if subspace else None, nlist=cfg.faiss_nlist,
                                         nprobe=cfg.faiss_nprobe)
+                    # int32 candidate columns while the features are alive (`_FoundRows.widen` makes them int64)
                     if not subspace:
-                        return blocked_topk(lhs, rhs, k, cfg.block_rows, masked_rows, allowed_cols, mk)
+                        return blocked_topk(lhs, rhs, k, cfg.block_rows, masked_rows, allowed_cols, mk,
+                                            index_dtype=torch.int32)
                     return lowrank_topk(lhs, rhs, k, cfg.block_rows, cfg.candidate_dim, cfg.rescore_top, stream,
-                                        masked_rows, allowed_cols, mk, matmul_dtype=low_search)
+                                        masked_rows, allowed_cols, mk, matmul_dtype=low_search,
+                                        index_dtype=torch.int32)
 
                 check_after = bool(cfg.candidate_check_rows) and (subspace or search_kind == "faiss")
                 found = _search_rows_with_facts(
@@ -454,10 +459,11 @@ class _FoundRows:
     num_cols: int = 0
 
     def widen(self) -> tuple[TopK, TopK | None]:
-        """``(full, masked)`` over all rows; each searched result is dropped as soon as its widened copy exists."""
+        """``(full, masked)`` over all rows, with int64 indices (the search may return int32 ones); each searched
+        result is dropped as soon as its widened copy exists."""
         full, masked, self.full, self.masked = self.full, self.masked, None, None
         if self.active is None:
-            return full, masked
+            return _long_index(full), (None if masked is None else _long_index(masked))
         device = self.active.device
         full = _widen(full, self.active, torch.arange(self.num_rows, device=device), self.cols, self.num_cols)
         if masked is not None:
@@ -497,7 +503,7 @@ def _widen(sub: TopK, keep: torch.Tensor, out_rows: torch.Tensor, cols: torch.Te
     positions that are never row ``i``'s own truth (column ``i``), with value 0."""
     width = sub.index.shape[1]
     steps = 1 + torch.arange(width, device=out_rows.device)[None, :]
-    index = torch.empty(len(out_rows), width, dtype=sub.index.dtype, device=out_rows.device)
+    index = torch.empty(len(out_rows), width, dtype=torch.long, device=out_rows.device)
     values = torch.zeros(len(out_rows), width, dtype=sub.values.dtype, device=out_rows.device)
     sub_pos = torch.cumsum(keep, 0) - 1  # the row of `sub` that holds each kept row
     # a block of rows at a time: full-height temporaries would be as large as the result
@@ -510,6 +516,10 @@ def _widen(sub: TopK, keep: torch.Tensor, out_rows: torch.Tensor, cols: torch.Te
             index[kept] = cols[sub.index[src]]
             values[kept] = sub.values[src]
     return TopK(values, index)
+
+
+def _long_index(found: TopK) -> TopK:
+    return found if found.index.dtype == torch.long else TopK(found.values, found.index.long())
 
 
 def _compact_rows_(x: torch.Tensor, rows: torch.Tensor, split: int,

@@ -251,6 +251,14 @@ def gather_rows(x: torch.Tensor, rows: torch.Tensor, col0: int = 0, dtype: torch
     return out
 
 
+def row_norms(x: torch.Tensor, rows: torch.Tensor, chunk: int = 16384) -> torch.Tensor:
+    """The L2 norms of ``x[rows]`` (fp32), gathered ``chunk`` rows at a time: no copy of the rows."""
+    out = torch.empty(len(rows), dtype=torch.float32, device=x.device)
+    for r0 in range(0, len(rows), chunk):
+        out[r0:r0 + chunk] = torch.linalg.vector_norm(x.index_select(0, rows[r0:r0 + chunk]).float(), dim=1)
+    return out
+
+
 def nonzero_rows(x: torch.Tensor, rows: torch.Tensor | None = None, chunk: int = 16384) -> torch.Tensor:
     """Bool per row of ``x`` (or per entry of ``rows``): whether the row has a non-zero, in chunks of rows."""
     n = x.shape[0] if rows is None else len(rows)
@@ -310,7 +318,7 @@ def triple_view(graph: TKGGraph, aspect: AspectGraph, e_bar: torch.Tensor | Prop
                 block: int | None = None, label_dim: int | None = None,
                 matmul_dtype: torch.dtype = torch.float32, layout: TripleLayout | None = None,
                 first_hop: tuple[torch.Tensor, torch.Tensor | SeedLabels] | None = None,
-                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                out_dtype: torch.dtype = torch.float32, operand_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Relation/time-triple view: F_j[h] = sum_{(h,t)} W[(h,t), j] * (E_bar P_j)[t] for j < D, concatenated.
 
     ``W = T_x (X_cat Q)`` is the summed aspect embedding of every tuple, and each of the D columns gets its own random
@@ -337,9 +345,12 @@ def triple_view(graph: TKGGraph, aspect: AspectGraph, e_bar: torch.Tensor | Prop
     share of ``Z`` is computed as ``A_ee (E0 P)`` over the labelled rows (`first_hop_matrix`) instead of as a
     dense product over every tail. It pays while the labelled rows are fewer than the tails (early rounds) and the
     products run in fp32.
+
+    ``operand_dtype`` is the storage dtype of the gathered tail rows (default: ``matmul_dtype``); see
+    `triple_operands`.
     """
     ops = triple_operands(graph, aspect, e_bar, x_cat, aspect_dim, mini_dim, generator, rows, label_dim, matmul_dtype,
-                          layout, first_hop)
+                          layout, first_hop, operand_dtype)
     return triple_sums(ops, block, out_dtype)
 
 
@@ -347,7 +358,8 @@ def triple_view(graph: TKGGraph, aspect: AspectGraph, e_bar: torch.Tensor | Prop
 class TripleOperands:
     """What `triple_sums` reads: the random projections and the tail rows of ``E_bar``, gathered once.
 
-    ``e_tails`` holds ``E_bar``'s columns from ``col0`` on at ``layout.tails`` in the product dtype; with
+    ``e_tails`` holds ``E_bar``'s columns from ``col0`` on at ``layout.tails`` in the product dtype (or in fp16 for
+    fp32 products, widened a chunk of rows at a time as they are multiplied: `_product`); with
     ``sparse_rows`` the label block's non-zero rows (positions in the tails) are ``e_labels``, and with
     ``hop_matrix`` the first propagated block is ``hop_matrix @ hop_labels`` (see `first_hop_matrix`).
     """
@@ -369,12 +381,21 @@ def triple_operands(graph: TKGGraph, aspect: AspectGraph, e_bar: torch.Tensor | 
                     aspect_dim: int, mini_dim: int, generator: torch.Generator, rows: torch.Tensor | None = None,
                     label_dim: int | None = None, matmul_dtype: torch.dtype = torch.float32,
                     layout: TripleLayout | None = None,
-                    first_hop: tuple[torch.Tensor, torch.Tensor | SeedLabels] | None = None) -> TripleOperands:
+                    first_hop: tuple[torch.Tensor, torch.Tensor | SeedLabels] | None = None,
+                    operand_dtype: torch.dtype | None = None) -> TripleOperands:
     """The first step of `triple_view`: draws the projections and gathers what the sums need from ``E_bar``.
 
     ``E_bar`` is the whole matrix or its `Propagated` form (then ``label_dim`` is its label block's width); both give
-    the same operands.
+    the same operands. ``operand_dtype`` is the dtype the gathered rows are stored in: ``matmul_dtype`` (default),
+    or fp16 when the products run in fp32. The gathered rows are the largest operands of the triple view (most
+    entities are tails), and its products are bound by the bytes they read (each block of projections reads all of
+    them again), so fp16 storage halves both; the products widen them to fp32 a cache-sized chunk at a time. The
+    rows of ``E_bar`` are row-normalised, so fp16 keeps them to about 3 decimal digits and cannot overflow.
     """
+    store = operand_dtype or matmul_dtype
+    if store != matmul_dtype and not (store == torch.float16 and matmul_dtype == torch.float32):
+        raise ValueError(f"operand_dtype={store} with matmul_dtype={matmul_dtype} is not supported: pass "
+                         "operand_dtype=None (the product dtype), or torch.float16 with float32 products.")
     split = isinstance(e_bar, Propagated)
     if split:
         if label_dim not in (None, e_bar.labels.dim):
@@ -390,12 +411,11 @@ def triple_operands(graph: TKGGraph, aspect: AspectGraph, e_bar: torch.Tensor | 
                          matmul_dtype=matmul_dtype)
     tails = layout.tails
 
-    def columns(c0: int, c1: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """``E_bar[tails, c0:c1]`` (c0 past the label block when split)."""
+    def columns(c0: int, dtype: torch.dtype) -> torch.Tensor:
+        """``E_bar[tails, c0:]`` (c0 past the label block when split)."""
         if not split:
-            return gather_rows(e_bar if c1 is None else e_bar[:, :c1], tails, c0, dtype)
-        rest = e_bar.rest if c1 is None else e_bar.rest[:, :c1 - label_dim]
-        return gather_rows(rest, tails, c0 - label_dim, dtype)
+            return gather_rows(e_bar, tails, c0, dtype)
+        return gather_rows(e_bar.rest, tails, c0 - label_dim, dtype)
 
     labelled = None  # split: (positions in tails, rows of labels.values) of the labelled tails
     if label_dim is not None and 0 < label_dim < width:
@@ -406,23 +426,24 @@ def triple_operands(graph: TKGGraph, aspect: AspectGraph, e_bar: torch.Tensor | 
             nz = torch.nonzero(nonzero_rows(e_bar[:, :label_dim], tails))[:, 0]
         if len(nz) < 0.75 * len(tails):
             ops.sparse_rows = nz
-            ops.e_labels = (e_bar.label_rows(labelled[1], matmul_dtype) if split
-                            else gather_rows(e_bar[:, :label_dim], tails[nz], dtype=matmul_dtype))
+            ops.e_labels = (e_bar.label_rows(labelled[1], store) if split
+                            else gather_rows(e_bar[:, :label_dim], tails[nz], dtype=store))
             ops.col0 = label_dim
     # Only for fp32 products: where they run in bf16 on bf16 units the dense product is cheaper than the sparse one.
     dtype_of = e_bar.rest.dtype if split else e_bar.dtype
     if (ops.sparse_rows is not None and first_hop is not None and width >= 2 * label_dim
             and matmul_dtype == dtype_of):
-        hop = first_hop_matrix(first_hop[0], first_hop[1], tails, columns(label_dim, 2 * label_dim))
+        block = e_bar.rest[:, :label_dim] if split else e_bar[:, label_dim:2 * label_dim]
+        hop = first_hop_matrix(first_hop[0], first_hop[1], tails, row_norms(block, tails))
         if hop is not None:
             ops.hop_matrix, hop_rows = hop
             ops.hop_labels = _rows_of(first_hop[1], hop_rows).to(matmul_dtype)
             ops.col0 = 2 * label_dim  # what is left dense: blocks 2..L
     # only the columns multiplied densely, gathered straight into the product dtype
     if not split or ops.col0 >= label_dim:
-        ops.e_tails = columns(ops.col0, dtype=matmul_dtype)
+        ops.e_tails = columns(ops.col0, dtype=store)
     else:  # the label block dense too: written out at the labelled tails
-        ops.e_tails = torch.zeros(len(tails), width, dtype=matmul_dtype, device=device)
+        ops.e_tails = torch.zeros(len(tails), width, dtype=store, device=device)
         e_bar.label_rows(labelled[1], out=ops.e_tails[:, :label_dim], at=labelled[0])
         gather_rows(e_bar.rest, tails, out=ops.e_tails[:, label_dim:])
     return ops
@@ -457,9 +478,9 @@ def _column_blocks(ops: TripleOperands, block: int, buf: torch.Tensor | None = N
         p = proj[j0:j1].permute(1, 0, 2).reshape(width, (j1 - j0) * mini_dim)
         if low:
             p = p.to(ops.matmul_dtype)
-        z = e_tails @ p[col0:]  # |tails| x (b * mini_dim)
+        z = _product(e_tails, p[col0:])  # |tails| x (b * mini_dim)
         if ops.sparse_rows is not None:
-            z.index_add_(0, ops.sparse_rows, ops.e_labels @ p[:label_dim])
+            z.index_add_(0, ops.sparse_rows, _product(ops.e_labels, p[:label_dim]))
         if ops.hop_matrix is not None:
             if z.dtype != torch.float32:
                 z = z.float()
@@ -473,6 +494,18 @@ def _column_blocks(ops: TripleOperands, block: int, buf: torch.Tensor | None = N
         weighted_segment_sum(layout.crow, layout.tail_pos, w, z, mini_dim, part)
         del z, w
         yield cols, part
+
+
+def _product(a: torch.Tensor, b: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """``a @ b`` in ``b``'s dtype. An ``a`` stored narrower than ``b`` (fp16 operands of fp32 products) is widened
+    ``chunk`` rows at a time, each chunk multiplied while it is still in cache: ``a`` is read once at half the
+    bytes, and no full-size widened copy exists."""
+    if a.dtype == b.dtype:
+        return a @ b
+    out = torch.empty(a.shape[0], b.shape[1], dtype=b.dtype, device=a.device)
+    for r0 in range(0, a.shape[0], chunk):
+        torch.mm(a[r0:r0 + chunk].to(b.dtype), b, out=out[r0:r0 + chunk])
+    return out
 
 
 def triple_sums(ops: TripleOperands, block: int | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -548,14 +581,16 @@ def triple_sums_into(ops: TripleOperands, into: torch.Tensor, keep: float, alpha
     return True
 
 
-def first_hop_matrix(a_ee: torch.Tensor, e0: torch.Tensor | SeedLabels, tails: torch.Tensor, e1_tails: torch.Tensor,
-                     max_share: float = 0.6) -> tuple[torch.Tensor, torch.Tensor] | None:
+def first_hop_matrix(a_ee: torch.Tensor, e0: torch.Tensor | SeedLabels, tails: torch.Tensor, e1_norms: torch.Tensor,
+                     max_share: float = 0.6, chunk: int = 16384) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(C A_ee[tails, L], L)`` with ``C A_ee[tails, L] E0[L] = E_bar[tails, d:2d]``; None when it would not pay.
 
     ``L`` are the rows where ``e0`` is non-zero and ``C`` the per-row factor that turns ``A_ee E0`` into the second
     block of ``E_bar`` (its own L2 normalisation times the normalisation of the concatenated row), read off
-    ``e1_tails`` (that block at the tail rows). The dense product it replaces costs ``|tails| d`` per projection
-    column, this one ``|L| d`` plus a sparse product, so it is built only while ``|L| <= max_share |tails|``.
+    ``e1_norms`` (the row norms of that block at the tails, `row_norms`); ``A_ee E0``'s own norms are computed
+    ``chunk`` rows at a time, so neither block is held at full height. The dense product it replaces costs
+    ``|tails| d`` per projection column, this one ``|L| d`` plus a sparse product, so it is built only while
+    ``|L| <= max_share |tails|``.
     """
     lab_rows, lab_values = _labelled(e0)
     n_lab = len(lab_rows)
@@ -572,9 +607,10 @@ def first_hop_matrix(a_ee: torch.Tensor, e0: torch.Tensor | SeedLabels, tails: t
     sub = torch.sparse_coo_tensor(torch.stack([row_pos[row[keep]], col_pos[col[keep]]]), a.values()[keep],
                                   (len(tails), n_lab), check_invariants=False).coalesce()
     sub = csr(sub)
-    hop = sub @ lab_values  # A_ee E0 at the tails, before any normalisation
-    scale = torch.linalg.vector_norm(e1_tails, dim=1) * torch.rsqrt(
-        torch.clamp(torch.linalg.vector_norm(hop, dim=1).square(), min=EPS))
+    hop_sq = torch.empty(len(tails), dtype=lab_values.dtype, device=device)  # of A_ee E0 at the tails, unnormalised
+    for r0, r1, part in csr_row_chunks(sub, chunk):
+        hop_sq[r0:r1] = torch.linalg.vector_norm(part @ lab_values, dim=1).square_()
+    scale = e1_norms.to(lab_values.dtype) * torch.rsqrt(torch.clamp(hop_sq, min=EPS))
     crow, cols, vals = sub.crow_indices(), sub.col_indices(), sub.values()
     vals = vals * torch.repeat_interleave(scale, crow[1:] - crow[:-1])
     with warnings.catch_warnings():

@@ -61,7 +61,8 @@ class TopK:
 def blocked_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: int,
                  masked_rows: torch.Tensor | None = None, allowed_cols: torch.Tensor | None = None,
                  masked_k: int = 0, matmul_dtype: torch.dtype | None = None,
-                 block_bytes: int = SCORE_BLOCK_BYTES) -> tuple[TopK, TopK | None]:
+                 block_bytes: int = SCORE_BLOCK_BYTES,
+                 index_dtype: torch.dtype = torch.long) -> tuple[TopK, TopK | None]:
     """Exact top-k of ``left @ right.T`` per row, in blocks of ``block_rows`` rows.
 
     A block holds fewer rows when its scores would take more than ``block_bytes``: the score block (and the masked
@@ -77,7 +78,13 @@ def blocked_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: in
     for fp16 storage). With ``torch.int8`` both sides are quantized per row (`quantize_rows`), the products
     accumulate in int32 (``torch._int_mm``) and are scaled back to fp32 before the selection: the right rows' scales
     per column first, the left row's scale, which does not change a row's order, only on the selected values.
+
+    ``index_dtype`` is the dtype of the returned indices: ``torch.int32`` halves them (at a million entities and
+    ``k = 500`` the two results' int64 indices are the search's largest allocations next to the features).
     """
+    if index_dtype not in (torch.int32, torch.long) or (index_dtype == torch.int32 and right.shape[0] >= 2**31):
+        raise ValueError(f"index_dtype={index_dtype} for {right.shape[0]} columns: use torch.long, or torch.int32 "
+                         "below 2**31 columns.")
     out_dtype = work_dtype(left)
     if matmul_dtype is None and left.dtype != out_dtype:  # fp16 storage: multiply in fp32
         matmul_dtype = out_dtype
@@ -90,7 +97,7 @@ def blocked_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: in
     n = left.shape[0]
     k = min(k, right.shape[0])
     vals = torch.empty(n, k, dtype=out_dtype, device=left.device)
-    idx = torch.empty(n, k, dtype=torch.long, device=left.device)
+    idx = torch.empty(n, k, dtype=index_dtype, device=left.device)
     want_masked = masked_rows is not None
     if want_masked:
         masked_pos = torch.full((n,), -1, dtype=torch.long, device=left.device)
@@ -98,7 +105,7 @@ def blocked_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: in
         masked_pos[masked_rows] = torch.arange(n_masked, device=left.device)
         masked_k = min(masked_k, int(allowed_cols.sum()))
         mvals = torch.empty(n_masked, masked_k, dtype=out_dtype, device=left.device)
-        midx = torch.empty(n_masked, masked_k, dtype=torch.long, device=left.device)
+        midx = torch.empty(n_masked, masked_k, dtype=index_dtype, device=left.device)
         blocked = ~allowed_cols
     score_bytes = torch.finfo(out_dtype).bits // 8 if quantized else right.element_size()
     block_rows = max(1, min(block_rows, block_bytes // max(1, right.shape[0] * score_bytes)))
@@ -121,7 +128,7 @@ def blocked_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: in
                 if quantized:
                     v.mul_(left_scale[r0:r1][sel][:, None])
                 pos = masked_pos[r0:r1][sel]
-                mvals[pos], midx[pos] = v, i
+                mvals[pos], midx[pos] = v, i.to(midx.dtype)
     return TopK(vals, idx), (TopK(mvals, midx) if want_masked else None)
 
 
@@ -222,7 +229,8 @@ def rescore_topk(left: torch.Tensor, right: torch.Tensor, approx: TopK, rescore:
     for r0 in range(0, n, chunk_rows):
         part = slice(r0, min(r0 + chunk_rows, n))
         left_rows = torch.arange(part.start, part.stop, device=index.device) if rows is None else rows[part]
-        exact = exact_scores(left, right, index[part, :m].contiguous(), left_rows)
+        exact = exact_scores(left, right, index[part, :m].to(torch.long, memory_format=torch.contiguous_format),
+                             left_rows)
         if keep is not None:
             exact = torch.where(keep[part, :m], values[part, :m], exact)
         values[part, :m] = exact
@@ -235,7 +243,8 @@ def rescore_topk(left: torch.Tensor, right: torch.Tensor, approx: TopK, rescore:
 def lowrank_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: int, rank: int, rescore: int,
                  generator: torch.Generator, masked_rows: torch.Tensor | None = None,
                  allowed_cols: torch.Tensor | None = None, masked_k: int = 0,
-                 matmul_dtype: torch.dtype | None = None) -> tuple[TopK, TopK | None]:
+                 matmul_dtype: torch.dtype | None = None,
+                 index_dtype: torch.dtype = torch.long) -> tuple[TopK, TopK | None]:
     """Top-k candidates found in a rank-``rank`` principal subspace, leading ``rescore`` re-scored in full width.
 
     Same interface as `blocked_topk`, whose search it runs on the projected features: the block products then cost
@@ -246,6 +255,7 @@ def lowrank_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: in
     bench/tea/README.md) and computes in ``left``'s dtype. With ``torch.int8`` the basis and the projections are
     fp32 and only the search products are quantized (see `blocked_topk`). Features stored in fp16
     (`LightTEAConfig.feature_dtype`) are projected a block of rows at a time, re-scored as stored, and scored in fp32.
+    ``index_dtype`` as in `blocked_topk`.
     """
     quantized = matmul_dtype == torch.int8
     basis = principal_basis(left, right, rank, generator, matmul_dtype=None if quantized else matmul_dtype)
@@ -254,7 +264,7 @@ def lowrank_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: in
     proj_dtype = work if quantized else (matmul_dtype or work)
     pl, pr = (project_rows(x, basis, proj_dtype, block_rows) for x in (left, right))
     full, masked = blocked_topk(pl, pr, k, block_rows, masked_rows, allowed_cols, masked_k,
-                                matmul_dtype=torch.int8 if quantized else None)
+                                matmul_dtype=torch.int8 if quantized else None, index_dtype=index_dtype)
     del pl, pr
     # the search's values come back in the projection dtype; re-scoring and Sinkhorn work in fp32 (or left's dtype)
     full = TopK(full.values.to(work), full.index)

@@ -16,9 +16,14 @@ run with the exact search only stands in the series with that search). At
 of log(wall) against log(entities) over the scalable runs from 2x to 10x (over every size that ran when fewer than two
 of those did: see ``time_exponent_sizes``). Writes ``bench/results/tea_scale.json`` with a ``summary`` object.
 
+``--isa avx2`` runs the children the way a CPU without AVX-512 or bf16 units runs them (PyTorch, oneDNN and MKL held
+to their AVX2 code paths, fp32 products: `bench_lighttea.ISA_ENV`). The summary's series are the ``host`` runs;
+``summary["avx2"]`` lists the AVX2 runs' sizes, wall times, peak RSS and H@1.
+
     python bench/tea/bench_tea_scale.py --sizes 1,2,4,10 --exact-sizes 1,2
     python bench/tea/bench_tea_scale.py --sizes 2 --exact-sizes "" --merge    # add a size to the existing file
     python bench/tea/bench_tea_scale.py --sizes "" --exact-sizes "" --merge   # recompute the summary only
+    python bench/tea/bench_tea_scale.py --sizes 10 --search exact --exact-sizes "" --isa avx2 --merge
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_lighttea import ISA_ENV, ISA_PRECISION  # noqa: E402
 
 T_START = time.perf_counter()
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,12 +95,13 @@ def cpu_info() -> dict:
             "bf16_units": "avx512_bf16" in flags or "amx_bf16" in flags, "amx": "amx_tile" in flags}
 
 
-def child(scale: float, search: str, seed: int, rounds: int, nprobe: int | None) -> dict:
+def child(scale: float, search: str, seed: int, rounds: int, nprobe: int | None, precision: str) -> dict:
     """One run in this process; returns its record."""
     t_import = time.perf_counter()
     import torch
 
     from tea_pipeline import LightTEA, LightTEAConfig
+    from tea_pipeline.precision import matmul_dtype
     from tea_pipeline.synthetic import make_scaled_pair
 
     imports_s = time.perf_counter() - t_import
@@ -115,7 +124,7 @@ def child(scale: float, search: str, seed: int, rounds: int, nprobe: int | None)
     t0 = time.perf_counter()
     pair = make_scaled_pair(scale, seed=seed)
     gen_s = time.perf_counter() - t0
-    kw = {"candidate_search": search, "rounds": rounds}
+    kw = {"candidate_search": search, "rounds": rounds, "matmul_precision": precision}
     if nprobe is not None:
         kw["faiss_nprobe"] = nprobe
     model = LightTEA(LightTEAConfig(**kw))
@@ -136,7 +145,8 @@ def child(scale: float, search: str, seed: int, rounds: int, nprobe: int | None)
         "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
         "final": result.final, "rounds": [r.as_dict() for r in result.rounds],
         "threads": torch.get_num_threads(), "torch": torch.__version__,
-        "faiss_nprobe": result.config["faiss_nprobe"],
+        "faiss_nprobe": result.config["faiss_nprobe"], "matmul_precision": precision,
+        "products": str(matmul_dtype(precision, torch.device("cpu"))).removeprefix("torch."),
     }
 
 
@@ -158,6 +168,8 @@ def main() -> None:
     ap.add_argument("--scalable-search", default="faiss", help="candidate_search of the scalable runs at sizes "
                                                                "where they are compared with the exact one.")
     ap.add_argument("--nprobe", type=int, default=None, help="faiss_nprobe (default: the config's).")
+    ap.add_argument("--isa", default="host", choices=sorted(ISA_ENV),
+                    help="Instruction sets the runs may use (avx2: as on a CPU without AVX-512 or bf16 units).")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=3600, help="Seconds per run before it is abandoned.")
@@ -167,7 +179,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         scale, search = args.child.split(":")
-        print("RESULT " + json.dumps(child(float(scale), search, args.seed, args.rounds, args.nprobe)), flush=True)
+        rec = child(float(scale), search, args.seed, args.rounds, args.nprobe, ISA_PRECISION.get(args.isa, "auto"))
+        print("RESULT " + json.dumps(rec | {"isa": args.isa, "isa_env": ISA_ENV[args.isa]}), flush=True)
         return
     sizes = [float(s) for s in args.sizes.split(",") if s]
     exact_sizes = [float(s) for s in args.exact_sizes.split(",") if s]
@@ -179,29 +192,34 @@ def main() -> None:
     runs: list[dict] = []
     if args.merge and out.exists():
         runs = [r for r in json.loads(out.read_text()).get("runs", [])
-                if (r["scale"], r["requested_search"]) not in set(plan)]
+                if (r["scale"], r["requested_search"], r.get("isa", "host")) not in {(*p, args.isa) for p in plan}]
     for scale, search in plan:
         cmd = [sys.executable, __file__, "--child", f"{scale}:{search}", "--seed", str(args.seed),
-               "--rounds", str(args.rounds)] + (["--nprobe", str(args.nprobe)] if args.nprobe else [])
+               "--rounds", str(args.rounds), "--isa", args.isa]
+        cmd += ["--nprobe", str(args.nprobe)] if args.nprobe else []
         t = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT,
+                                  env=dict(os.environ, **ISA_ENV[args.isa]))
         except subprocess.TimeoutExpired:
             print(f"{scale:g}x {search}: abandoned after {args.timeout:.0f} s", flush=True)
-            runs.append({"scale": scale, "requested_search": search, "error": f"timeout {args.timeout:.0f} s"})
+            runs.append({"scale": scale, "requested_search": search, "isa": args.isa,
+                         "error": f"timeout {args.timeout:.0f} s"})
             continue
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if line is None:
             print(f"{scale:g}x {search}: failed (rc {proc.returncode})\n{proc.stderr[-2000:]}", flush=True)
-            runs.append({"scale": scale, "requested_search": search, "error": proc.stderr[-500:],
+            runs.append({"scale": scale, "requested_search": search, "isa": args.isa, "error": proc.stderr[-500:],
                          "returncode": proc.returncode})
             continue
         rec = json.loads(line[7:])
         rec["process_wall_s"] = round(time.perf_counter() - t, 2)
         runs.append(rec)
-        print(f"{scale:g}x {rec['search']:5s} entities {rec['entities']:>9,d} wall {rec['wall_s']:8.1f} s "
-              f"peak {rec['peak_rss_gb']:6.2f} GB H@1 {rec['final']['hits@1']:.4f}", flush=True)
-    ok = [r for r in runs if "error" not in r]
+        print(f"{scale:g}x {rec['search']:5s} {args.isa:4s} entities {rec['entities']:>9,d} "
+              f"wall {rec['wall_s']:8.1f} s peak {rec['peak_rss_gb']:6.2f} GB H@1 {rec['final']['hits@1']:.4f}",
+              flush=True)
+    ok = [r for r in runs if "error" not in r and r.get("isa", "host") == "host"]
+    avx2 = sorted((r for r in runs if "error" not in r and r.get("isa") == "avx2"), key=lambda r: r["scale"])
     exact = {r["scale"]: r for r in ok if r["requested_search"] == "exact"}
     compared = {r["scale"]: r for r in ok if r["requested_search"] == args.scalable_search}
     gaps = {f"{s:g}x": round(exact[s]["final"]["hits@1"] - compared[s]["final"]["hits@1"], 4)
@@ -227,6 +245,9 @@ def main() -> None:
         "h1_gap_vs_exact": max(gaps.values()) if gaps else None,
         "h1_gap_by_size": gaps,
         "not_run": [f"{s:g}x" for s in sorted(set(sizes) | set(TARGET_SIZES)) if s not in scalable],
+        "avx2": {"sizes": [f"{r['scale']:g}x" for r in avx2], "search": [r["search"] for r in avx2],
+                 "wall_s": [r["wall_s"] for r in avx2], "peak_rss_gb": [r["peak_rss_gb"] for r in avx2],
+                 "hits@1": [round(r["final"]["hits@1"], 4) for r in avx2]},
     }
     doc = {"benchmark": "tea_scale", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "machine": {"cpu": cpu_info(), "python": platform.python_version(),

@@ -192,6 +192,13 @@ def test_blocked_topk_equals_full_topk_and_masked_search() -> None:
     ref_m = torch.topk(sims, 4, dim=1)
     torch.testing.assert_close(masked.values, ref_m.values)
     assert torch.equal(masked.index, torch.nonzero(cols)[:, 0][ref_m.indices])
+    narrow = blocked_topk(left, right, 7, block_rows=5, masked_rows=rows, allowed_cols=cols, masked_k=4,
+                          index_dtype=torch.int32)
+    for got, want in zip(narrow, (full, masked)):
+        assert got.index.dtype == torch.int32 and torch.equal(got.index.long(), want.index)
+        assert torch.equal(got.values, want.values)
+    with pytest.raises(ValueError, match="index_dtype"):
+        blocked_topk(left, right, 7, block_rows=5, index_dtype=torch.int16)
 
 
 def test_blocked_topk_score_byte_cap_keeps_the_candidates() -> None:

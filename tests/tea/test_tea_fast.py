@@ -74,12 +74,12 @@ def test_first_hop_matrix_rebuilds_the_propagated_block_and_steps_aside_when_it_
     e0[seeds] = l2n(torch.randn(len(seeds), 8, generator=torch.Generator().manual_seed(1)))
     e_bar, _ = propagate(g.entity_entity, g.relation, e0, steps=2)
     tails = torch.unique(g.tuple_tail)
-    got = first_hop_matrix(g.entity_entity, e0, tails, e_bar[tails, 8:16])
+    got = first_hop_matrix(g.entity_entity, e0, tails, e_bar[tails, 8:16].norm(dim=1), chunk=5)
     assert got is not None  # the labelled rows are few: the sparse path is taken
     matrix, labelled = got
     torch.testing.assert_close(matrix @ e0[labelled], e_bar[tails, 8:16], rtol=1e-5, atol=1e-6)
     few = tails[: len(labelled) // 2]  # fewer tails than labelled rows: the dense product is cheaper
-    assert first_hop_matrix(g.entity_entity, e0, few, e_bar[few, 8:16]) is None
+    assert first_hop_matrix(g.entity_entity, e0, few, e_bar[few, 8:16].norm(dim=1)) is None
 
 
 def _low_rank_features(n_left: int, n_right: int, dim: int, rank: int, seed: int):
@@ -109,9 +109,13 @@ def test_lowrank_topk_equals_exact_topk_when_the_subspace_covers_the_data(rank: 
     want, want_masked = blocked_topk(left, right, 7, 5, masked_rows=rows, allowed_cols=cols, masked_k=4)
     got, got_masked = lowrank_topk(left, right, 7, 5, rank, rescore, torch.Generator().manual_seed(3),
                                    masked_rows=rows, allowed_cols=cols, masked_k=4)
+    narrow = lowrank_topk(left, right, 7, 5, rank, rescore, torch.Generator().manual_seed(3), masked_rows=rows,
+                          allowed_cols=cols, masked_k=4, index_dtype=torch.int32)
     for g, w in ((got, want), (got_masked, want_masked)):
         assert torch.equal(g.index, w.index)
         torch.testing.assert_close(g.values, w.values, atol=1e-9, rtol=0)
+    for g, w in zip(narrow, (got, got_masked)):  # int32 indices: the same candidates and scores
+        assert g.index.dtype == torch.int32 and torch.equal(g.index.long(), w.index) and torch.equal(g.values, w.values)
     assert candidate_recall(left, right, got, torch.arange(37)) == {"recall": 1.0, "top1": 1.0, "same_set": 1.0,
                                                                     "rows": 37}
 

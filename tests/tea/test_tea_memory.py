@@ -27,12 +27,14 @@ from tea_pipeline.kernels import gathered_dot
 from tea_pipeline.propagation import (
     SeedLabels,
     _csr_columns,
+    _product,
     csr,
     first_hop_matrix,
     gather_rows,
     l2n_,
     nonzero_rows,
     propagate_labels,
+    row_norms,
     seed_labels,
     triple_operands,
     triple_sums,
@@ -88,8 +90,8 @@ def test_seed_labels_by_rows_equal_the_dense_matrix_in_propagation_and_the_first
     e_bar_d, x_cat_d = propagate(g.entity_entity, g.relation, dense, 2)
     assert torch.equal(e_bar, e_bar_d) and torch.equal(x_cat, x_cat_d)
     tails = torch.arange(g.num_entities)
-    got = first_hop_matrix(g.entity_entity, labels, tails, e_bar[:, 16:32], max_share=1.0)
-    want = first_hop_matrix(g.entity_entity, dense, tails, e_bar[:, 16:32], max_share=1.0)
+    got = first_hop_matrix(g.entity_entity, labels, tails, row_norms(e_bar[:, 16:32], tails), max_share=1.0)
+    want = first_hop_matrix(g.entity_entity, dense, tails, row_norms(e_bar[:, 16:32], tails), max_share=1.0)
     assert torch.equal(got[1], want[1]) and torch.equal(got[0].to_dense(), want[0].to_dense())
     views = [triple_view(g, g.relation, e_bar, x_cat, 4, 4, torch.Generator().manual_seed(5), label_dim=16,
                          first_hop=(g.entity_entity, e0)) for e0 in (labels, dense)]
@@ -129,6 +131,34 @@ def test_labels_by_rows_give_the_operands_and_sums_of_the_dense_e_bar(small_pair
     assert ops[0].col0 == ops[1].col0 == (16 if share < 0.5 and dtype != torch.float32 else
                                           32 if share < 0.5 else 0)
     assert torch.equal(triple_sums(ops[0], block=2), triple_sums(ops[1], block=2))
+
+
+@pytest.mark.parametrize("share", [0.2, 1.0])
+def test_fp16_operands_of_fp32_products_equal_fp32_operands_up_to_rounding(small_pair, share: float) -> None:
+    """fp16 storage of the gathered rows (what the engine uses with fp32 products): the same operands rounded, the
+    same sums up to that rounding, with sparse (0.2) and dense (1.0) label rows and the first-hop matrix."""
+    g = build_graph(small_pair)
+    gen = torch.Generator().manual_seed(4)
+    n_pairs = max(1, int(share * g.num_entities / 2))
+    ids = torch.randperm(g.num_entities, generator=gen)[:2 * n_pairs].view(-1, 2)
+    labels = SeedLabels.draw(g.num_entities, ids, 16, gen)
+    prop = propagate_labels(g.entity_entity, g.time, labels, 2)
+    kw = {"rows": torch.from_numpy(small_pair.test.reshape(-1)), "label_dim": 16,
+          "first_hop": (g.entity_entity, labels)}
+    full, half = (triple_operands(g, g.time, prop, prop.x_cat, 6, 4, torch.Generator().manual_seed(5),
+                                  operand_dtype=dt, **kw) for dt in (None, torch.float16))
+    assert half.e_tails.dtype == torch.float16 and full.e_tails.dtype == torch.float32
+    assert torch.equal(half.e_tails, full.e_tails.half()) and half.col0 == full.col0
+    if share < 0.5:
+        assert half.hop_matrix is not None and torch.equal(half.e_labels, full.e_labels.half())
+    want = triple_sums(full, block=2)
+    torch.testing.assert_close(triple_sums(half, block=2), want, rtol=0, atol=2e-3)
+    # the chunked widening is the same product as widening all rows at once
+    p = torch.randn(half.e_tails.shape[1], 8, generator=gen)
+    torch.testing.assert_close(_product(half.e_tails, p, chunk=7), half.e_tails.float() @ p, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="operand_dtype"):
+        triple_operands(g, g.time, prop, prop.x_cat, 6, 4, torch.Generator().manual_seed(5),
+                        matmul_dtype=torch.bfloat16, operand_dtype=torch.float16, **kw)
 
 
 def test_chunked_gathers_equal_plain_indexing() -> None:
