@@ -99,11 +99,12 @@ class LightTEAConfig:
             ``"auto"``: faiss from ``faiss_min_rows`` test pairs on when it is installed, exact otherwise. The
             leading ``rescore_top`` candidates are re-scored in full width either way; ``reference_compat=True``
             always searches exactly.
-        faiss_min_rows (`int`, *optional*, defaults to `250000`):
+        faiss_min_rows (`int`, *optional*, defaults to `1000000`):
             Test pairs from which ``candidate_search="auto"`` uses faiss. At the default ``faiss_nprobe`` the index
             finds far fewer of the exact search's best candidates on YAGO-WIKI50K-like synthetic pairs (H@1 0.70
-            against 0.98 at 1x, bench/tea/README.md), so ``auto`` keeps the exact search up to 4x YAGO-WIKI50K
-            (176,688 test pairs) and switches only where the quadratic search no longer runs in hours.
+            against 0.98 at 1x, bench/tea/README.md), so ``auto`` keeps the exact search through 10x YAGO-WIKI50K
+            (441,720 test pairs, which the exact search aligns on a 2-core, 24 GB machine) and switches only beyond
+            the sizes where the quadratic search was measured to fit.
         faiss_nlist (`int`, *optional*):
             Inverted lists of the faiss index; ``None`` picks about ``4 sqrt(test pairs)``.
         faiss_nprobe (`int`, *optional*, defaults to `32`):
@@ -175,7 +176,7 @@ class LightTEAConfig:
     candidate_search: str = field(
         default="auto", metadata={"help": "Candidate search: 'auto', 'exact' or 'faiss' (optional extra [scale])."})
     faiss_min_rows: int = field(
-        default=250_000, metadata={"help": "Test pairs from which candidate_search='auto' uses faiss."})
+        default=1_000_000, metadata={"help": "Test pairs from which candidate_search='auto' uses faiss."})
     faiss_nlist: int | None = field(
         default=None, metadata={"help": "Inverted lists of the faiss index (None: about 4 sqrt(test pairs))."})
     faiss_nprobe: int = field(default=32, metadata={"help": "Inverted lists scanned per row by faiss."})

@@ -112,6 +112,7 @@ def test_auto_search_threshold_and_faiss_absent_fallback(monkeypatch, caplog):
     model = LightTEA(LightTEAConfig(faiss_min_rows=1000))
     assert model.candidate_search(999) == "exact"
     assert LightTEA(LightTEAConfig()).candidate_search(19_062) == "exact"  # YAGO-WIKI20K stays exact
+    assert LightTEA(LightTEAConfig()).candidate_search(441_720) == "exact"  # and so does 10x YAGO-WIKI50K
     assert LightTEA(LightTEAConfig(reference_compat=True, faiss_min_rows=1)).candidate_search(10**6) == "exact"
     monkeypatch.setattr(ann, "_faiss", lambda: None)
     assert not ann.faiss_available()
