@@ -135,6 +135,11 @@ class LightTEAConfig:
             returning it to the OS after every use (glibc only; restored and trimmed when ``fit`` returns). A round
             reallocates large temporaries many times, and each fresh page costs a page fault; see
             `tea_pipeline.memory`. Peak RSS can grow a little.
+        reuse_freed_memory_max_entities (`int`, *optional*, defaults to `500000`):
+            ``reuse_freed_memory`` applies to pairs with at most this many entities. On larger pairs freed memory
+            goes back to the OS at once: there the memory kept between reuses (holes the next, differently shaped
+            allocations do not fit) adds gigabytes to the peak RSS, while page faults are a small share of a run
+            whose search grows quadratically.
         kept_memory_gb (`float`, *optional*, defaults to `4.0`):
             With ``reuse_freed_memory``: when more than this many GB of freed memory are kept as a stage starts,
             all of it goes back to the OS, so what one stage freed does not add to the next stage's peak RSS
@@ -190,6 +195,8 @@ class LightTEAConfig:
     seed: int = field(default=12306, metadata={"help": "Seed of every random draw."})
     reuse_freed_memory: bool = field(
         default=True, metadata={"help": "Keep freed memory for reuse while fit runs (fewer page faults)."})
+    reuse_freed_memory_max_entities: int = field(
+        default=500_000, metadata={"help": "reuse_freed_memory applies to pairs with at most this many entities."})
     kept_memory_gb: float = field(
         default=4.0, metadata={"help": "Freed memory (GB) kept from one stage into the next with reuse_freed_memory."})
     device: str = field(default="auto", metadata={"help": "'auto', 'cpu', 'cuda' or 'cuda:N'."})
@@ -239,6 +246,11 @@ class LightTEAConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"LightTEAConfig.{name}={value!r} is invalid: it must be an integer >= 0 "
                                  f"(default {_default(name)}).")
+        value = self.reuse_freed_memory_max_entities
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"LightTEAConfig.reuse_freed_memory_max_entities={value!r} is invalid: it must be an "
+                             "integer >= 0, the largest pair (entities) on which freed memory is kept for reuse "
+                             f"(default {_default('reuse_freed_memory_max_entities')}).")
         if isinstance(self.kept_memory_gb, bool) or not float(self.kept_memory_gb) >= 0:
             raise ValueError(f"LightTEAConfig.kept_memory_gb={self.kept_memory_gb!r} is invalid: it is the freed "
                              "memory (GB) kept from one stage into the next and must be >= 0 (0: keep none).")

@@ -210,7 +210,12 @@ class LightTEA:
     # --------------------------------------------------------------------------------------------------------
     def fit(self, pair: TKGPair, progress: bool = False) -> AlignmentResult:
         """Align the test pairs of ``pair``; returns per-round metrics, pseudo seeds, predictions and timings."""
-        with reuse_freed_memory(self.config.reuse_freed_memory) as active:
+        reuse = self.config.reuse_freed_memory
+        if reuse and pair.num_entities > self.config.reuse_freed_memory_max_entities:
+            logger.info("%d entities > reuse_freed_memory_max_entities=%d: freed memory goes back to the OS at once",
+                        pair.num_entities, self.config.reuse_freed_memory_max_entities)
+            reuse = False
+        with reuse_freed_memory(reuse) as active:
             self._kept_bytes = int(self.config.kept_memory_gb * 2**30) if active else None
             try:
                 return self._fit(pair, progress)

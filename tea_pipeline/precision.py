@@ -12,25 +12,38 @@ and slower than fp32, so ``"auto"`` keeps fp32 there. A CPU whose bf16 units are
 from __future__ import annotations
 
 import functools
+import logging
 from pathlib import Path
 
 import torch
 
 from .config import MATMUL_PRECISIONS
 
+logger = logging.getLogger(__name__)
+
 
 @functools.lru_cache(maxsize=1)
-def cpu_has_native_bf16() -> bool:
-    """True when /proc/cpuinfo lists AMX-BF16 or AVX512-BF16 (Linux; elsewhere False, i.e. stay in fp32)."""
+def _cpu_flags() -> frozenset[str]:
+    """The CPU flags /proc/cpuinfo lists (Linux; elsewhere none, i.e. stay on the fp32 paths)."""
     try:
         text = Path("/proc/cpuinfo").read_text(errors="ignore")
     except OSError:
-        return False
+        return frozenset()
     for line in text.splitlines():
         if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            return bool({"amx_bf16", "avx512_bf16"} & flags)
-    return False
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when /proc/cpuinfo lists AMX-BF16 or AVX512-BF16."""
+    return bool({"amx_bf16", "avx512_bf16"} & _cpu_flags())
+
+
+def cpu_has_int8_dot() -> bool:
+    """True when the CPU has int8 dot-product units (AVX512-VNNI, AVX-VNNI or AMX-INT8). Without them PyTorch's
+    int8 products run several times slower than fp32 ones (``bench/tea/README.md``)."""
+    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & _cpu_flags())
 
 
 def matmul_dtype(precision: str, device: torch.device) -> torch.dtype:
@@ -65,5 +78,14 @@ def search_dtype(precision: str, device: torch.device) -> torch.dtype:
     re-scored in full width, so it tolerates int8's rounding where the triple view, whose products become the
     features, is kept in fp32."""
     if precision == "int8" and torch.device(device).type == "cpu":
+        if not cpu_has_int8_dot():
+            _warn_slow_int8()
         return torch.int8
     return matmul_dtype(precision, device)
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_slow_int8() -> None:
+    logger.warning("matmul_precision='int8' on a CPU without int8 dot-product units (AVX512-VNNI, AVX-VNNI or "
+                   "AMX-INT8): the search's int8 products run several times slower than fp32 here. Use "
+                   "matmul_precision='auto' (fp32 on this CPU).")

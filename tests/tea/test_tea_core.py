@@ -270,13 +270,18 @@ def test_featureless_entities_are_kept_out_of_sinkhorn() -> None:
     isolated = np.unique(pair.test[:60, 0])  # strip every fact of 60 test sources
     keep = ~(np.isin(facts[:, 1], isolated) | np.isin(facts[:, 3], isolated))  # kg, head, relation, tail, ...
     stripped = dataclasses.replace(pair, facts=facts[keep])
-    runs = {mode: LightTEA(LightTEAConfig(**FAST, featureless_rows=mode)).fit(stripped)
+    # bf16 products on every CPU (emulated where not native), so every host checks the same thing. With them the
+    # included featureless rows cost the others 0.10-0.15 of H@1 on pairs like this one (seeds 8-11); with fp32
+    # products the two modes agree within a few rows either way there, so the gain is not asserted for fp32.
+    runs = {mode: LightTEA(LightTEAConfig(**FAST, featureless_rows=mode, matmul_precision="bfloat16")).fit(stripped)
             for mode in ("exclude", "include")}
     excluded = runs["exclude"]
     src = torch.from_numpy(excluded.predicted[:, 0])
     lost = torch.from_numpy(np.isin(excluded.predicted[:, 0], isolated))
     assert int(lost.sum()) >= 50 and torch.all(torch.from_numpy(excluded.scores)[lost] == 0)
     assert (src == torch.from_numpy(stripped.test[:, 0])).all()
+    # included, the featureless rows take column mass
+    assert torch.any(torch.from_numpy(runs["include"].scores)[lost] > 0)
     # on the entities that have facts, excluding the featureless ones does not align fewer
     right = excluded.predicted[:, 1] == excluded.truth[:, 1]
     right_inc = runs["include"].predicted[:, 1] == runs["include"].truth[:, 1]
@@ -316,6 +321,7 @@ def test_reference_compat_runs_and_variants_align(small_pair) -> None:
                                        ({"device": "tpu"}, "device"),
                                        ({"featureless_rows": "drop"}, "featureless_rows"),
                                        ({"kept_memory_gb": -1}, "kept_memory_gb"),
+                                       ({"reuse_freed_memory_max_entities": -5}, "reuse_freed_memory_max_entities"),
                                        ({"reference_compat": True, "lp_steps": 3}, "lp_steps")])
 def test_config_errors_name_the_field(bad, field) -> None:
     with pytest.raises(ValueError, match=field):
@@ -335,6 +341,24 @@ def test_reuse_freed_memory_is_scoped_and_changes_no_result(small_pair) -> None:
     runs = [LightTEA(LightTEAConfig(**FAST, reuse_freed_memory=flag)).fit(small_pair) for flag in (True, False)]
     assert np.array_equal(runs[0].predicted, runs[1].predicted)
     assert np.array_equal(runs[0].scores, runs[1].scores)
+
+
+def test_reuse_freed_memory_is_off_above_the_entity_limit(small_pair, monkeypatch) -> None:
+    """Pairs larger than reuse_freed_memory_max_entities run with freed memory handed back at once."""
+    import tea_pipeline.engine as engine  # noqa: PLC0415
+
+    asked = []
+    real = engine.reuse_freed_memory
+
+    def record(enabled=True):
+        asked.append(enabled)
+        return real(enabled)
+
+    monkeypatch.setattr(engine, "reuse_freed_memory", record)
+    n = small_pair.num_entities
+    for limit in (n, n - 1):
+        LightTEA(LightTEAConfig(**{**FAST, "rounds": 1}, reuse_freed_memory_max_entities=limit)).fit(small_pair)
+    assert asked == [True, False]
 
 
 def test_trim_freed_memory_returns_kept_heap_above_the_limit() -> None:

@@ -297,6 +297,24 @@ def test_matmul_precision_config_and_dtype_rule() -> None:
     assert matmul_dtype("auto", cpu) == (torch.bfloat16 if native else torch.float32)
 
 
+def test_int8_search_warns_without_int8_dot_product_units(monkeypatch, caplog) -> None:
+    """int8 products without VNNI/AMX-INT8 run several times slower than fp32: the user is told, once."""
+    import logging
+
+    import tea_pipeline.precision as precision
+
+    cpu = torch.device("cpu")
+    for flags, warned in ((frozenset({"avx2", "avx512_vnni"}), False), (frozenset({"avx2"}), True)):
+        monkeypatch.setattr(precision, "_cpu_flags", lambda flags=flags: flags)
+        precision._warn_slow_int8.cache_clear()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tea_pipeline.precision"):
+            assert precision.search_dtype("int8", cpu) == torch.int8
+            assert precision.search_dtype("float32", cpu) == torch.float32
+        assert any("VNNI" in r.getMessage() for r in caplog.records) == warned, (flags, caplog.text)
+    precision._warn_slow_int8.cache_clear()
+
+
 def test_auto_precision_honours_a_onednn_isa_cap() -> None:
     """With oneDNN held to AVX2, bf16 products would be emulated (many times slower): "auto" must pick fp32."""
     import subprocess
