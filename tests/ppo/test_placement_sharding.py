@@ -63,9 +63,17 @@ def test_every_planner_candidate_trains_like_colocated_four_ranks(tmp_path):
             if not res["trainer"]:
                 continue
             for key in base:
+                got, want = res["params"][key], base[key]
+                if key.endswith("attn.c_attn.bias"):
+                    # The key bias's true gradient is 0 (softmax over keys ignores q . b_k, the same for every key):
+                    # its Adam steps follow fp32 rounding noise, whose sign depends on the CPU's summation order.
+                    # They start at 0 and can only drift by Adam's bounded steps, about lr each: 8 steps of 3e-3
+                    # (2 iterations x 2 epochs x 2 mini-batches). The query and value biases are compared below.
+                    third = len(want) // 3
+                    assert np.abs(got[third:2 * third]).max() <= 8 * 3e-3, f"{name} rank {r}: {key} (key bias)"
+                    got, want = np.delete(got, np.s_[third:2 * third]), np.delete(want, np.s_[third:2 * third])
                 # Adam divides by sqrt(v): fp32 summation-order noise in near-zero gradients becomes ~1e-6..1e-5 steps
-                np.testing.assert_allclose(res["params"][key], base[key], rtol=1e-4, atol=2e-5,
-                                           err_msg=f"{name} rank {r}: {key}")
+                np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5, err_msg=f"{name} rank {r}: {key}")
             for role, held in res["engines"].items():
                 # actor and critic share one engine: compare with the accountant's two rows together
                 expect = res["accountant"]["actor"] + res["accountant"]["critic"] if role == "actor" \
