@@ -241,16 +241,11 @@ class LightTEAConfig:
                                              or isinstance(self.faiss_nlist, bool) or self.faiss_nlist < 1):
             raise ValueError(f"LightTEAConfig.faiss_nlist={self.faiss_nlist!r} is invalid: it must be a positive "
                              "integer (inverted lists of the faiss index) or None for about 4 sqrt(test pairs).")
-        for name in ("rescore_top", "candidate_check_rows"):
+        for name in ("rescore_top", "candidate_check_rows", "reuse_freed_memory_max_entities"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"LightTEAConfig.{name}={value!r} is invalid: it must be an integer >= 0 "
                                  f"(default {_default(name)}).")
-        value = self.reuse_freed_memory_max_entities
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"LightTEAConfig.reuse_freed_memory_max_entities={value!r} is invalid: it must be an "
-                             "integer >= 0, the largest pair (entities) on which freed memory is kept for reuse "
-                             f"(default {_default('reuse_freed_memory_max_entities')}).")
         if isinstance(self.kept_memory_gb, bool) or not float(self.kept_memory_gb) >= 0:
             raise ValueError(f"LightTEAConfig.kept_memory_gb={self.kept_memory_gb!r} is invalid: it is the freed "
                              "memory (GB) kept from one stage into the next and must be >= 0 (0: keep none).")
