@@ -1,4 +1,10 @@
-"""`LightTEAConfig`: every hyper-parameter of the LightTEA reference code, with the same defaults.
+"""`LightTEAConfig`: every hyper-parameter of the LightTEA reference code, with its defaults except two widths.
+
+The label width ``dim`` (reference: 512) and the triple view's projection width ``mini_dim`` (reference: 16) default
+to half the reference's, and the candidates are searched in a 256-wide principal subspace (the reference searches the
+full feature width): the products that dominate a run on CPUs without bf16 units then cost a half to a quarter, at
+a small loss of accuracy (measured in ``bench/tea/README.md``). ``LightTEAConfig(dim=512, mini_dim=16,
+candidate_dim=None)`` gives the reference's widths.
 
 Paper: "An Effective and Efficient Time-aware Entity Alignment Framework via Two-aspect Three-view Label
 Propagation" (Cai et al., IJCAI 2023, arXiv 2307.06013); reference code ``lcai2/LightTEA``.
@@ -27,15 +33,19 @@ class LightTEAConfig:
     > Parameters that control label propagation
 
     Parameters:
-        dim (`int`, *optional*, defaults to `512`):
-            Width d of the random seed labels (one unit Gaussian vector per seed pair and aspect).
+        dim (`int`, *optional*, defaults to `256`):
+            Width d of the random seed labels (one unit Gaussian vector per seed pair and aspect). The reference uses
+            512; half of it halves the propagation and the triple view's products (the labels only need to stay
+            nearly orthogonal, which 256 random dimensions do; accuracy: ``bench/tea/README.md``).
         lp_steps (`int`, *optional*, defaults to `2`):
             Label-propagation steps. The reference hard-codes 2 (its ``--depth`` flag is ignored).
         aspect_dim (`int`, *optional*):
             D_x, the width of the relation/time embeddings of the triple view. ``None`` means the reference rule,
             ``dim // 2`` for ICEWS-like data (many time stamps, no unknown time) and ``dim // 3`` otherwise.
-        mini_dim (`int`, *optional*, defaults to `16`):
+        mini_dim (`int`, *optional*, defaults to `8`):
             Width of each of the D_x random projections of the triple view; the output width is ``mini_dim * D_x``.
+            The reference uses 16; 8 halves the triple view's products and the features (on YAGO-WIKI20K the
+            change is within the spread between random seeds, ``bench/tea/README.md``).
         alpha (`float`, *optional*, defaults to `0.6`):
             Weight of the temporal aspect: ``F = (1 - alpha) F_rel + alpha F_time``.
         fusion (`str`, *optional*, defaults to `"sum"`):
@@ -58,7 +68,7 @@ class LightTEAConfig:
         block_rows (`int`, *optional*, defaults to `2048`):
             Rows per block of the similarity search; bounds memory to ``block_rows x |test|`` scores (fewer rows
             where those would exceed 256 MiB, see `similarity.blocked_topk`).
-        candidate_dim (`int`, *optional*, defaults to `512`):
+        candidate_dim (`int`, *optional*, defaults to `256`):
             Rank of the principal subspace in which the top-k candidates are searched (the block products then
             cost ``candidate_dim / feature width`` of the full ones); the leading ``rescore_top`` candidates of each
             row are then re-scored in the full space. ``None`` searches the full space exactly, like the
@@ -152,12 +162,12 @@ class LightTEAConfig:
             for good once the candidate pool is smaller, ties go to the first candidate.
     """
 
-    dim: int = field(default=512, metadata={"help": "Width d of the random seed labels."})
+    dim: int = field(default=256, metadata={"help": "Width d of the random seed labels (reference: 512)."})
     lp_steps: int = field(default=2, metadata={"help": "Label-propagation steps (reference: 2)."})
     aspect_dim: int | None = field(
         default=None, metadata={"help": "D_x; None = dim//2 for ICEWS-like data, dim//3 otherwise."}
     )
-    mini_dim: int = field(default=16, metadata={"help": "Width of each triple-view projection."})
+    mini_dim: int = field(default=8, metadata={"help": "Width of each triple-view projection (reference: 16)."})
     alpha: float = field(default=0.6, metadata={"help": "Weight of the temporal aspect."})
     fusion: str = field(default="sum", metadata={"help": "Aspect fusion: 'sum' (reference) or 'concat'."})
     top_k: int = field(default=500, metadata={"help": "Candidates per source entity."})
@@ -167,7 +177,7 @@ class LightTEAConfig:
     tie_break: str = field(default="random", metadata={"help": "Evaluation tie break: 'random' or 'first'."})
     block_rows: int = field(default=2048, metadata={"help": "Rows per similarity block (memory bound)."})
     candidate_dim: int | None = field(
-        default=512, metadata={"help": "Rank of the subspace searched for top-k candidates (None or >= the feature "
+        default=256, metadata={"help": "Rank of the subspace searched for top-k candidates (None or >= the feature "
                                           "width: exact search)."})
     rescore_top: int = field(default=64, metadata={"help": "Leading candidates per row re-scored in full width."})
     featureless_rows: str = field(
