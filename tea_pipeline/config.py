@@ -35,8 +35,9 @@ class LightTEAConfig:
     Parameters:
         dim (`int`, *optional*, defaults to `256`):
             Width d of the random seed labels (one unit Gaussian vector per seed pair and aspect). The reference uses
-            512; half of it halves the propagation and the triple view's products (the labels only need to stay
-            nearly orthogonal, which 256 random dimensions do; accuracy: ``bench/tea/README.md``).
+            512. The propagation's products grow with d and the triple view's with d times D_x (``aspect_dim``,
+            d // 3 by default), so 256 halves the first and quarters the second; the accuracy at both widths is
+            measured in ``bench/tea/README.md``.
         lp_steps (`int`, *optional*, defaults to `2`):
             Label-propagation steps. The reference hard-codes 2 (its ``--depth`` flag is ignored).
         aspect_dim (`int`, *optional*):

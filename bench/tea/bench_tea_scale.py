@@ -24,6 +24,12 @@ to their AVX2 code paths, fp32 products: `bench_lighttea.ISA_ENV`). The summary'
     python bench/tea/bench_tea_scale.py --sizes 2 --exact-sizes "" --merge    # add a size to the existing file
     python bench/tea/bench_tea_scale.py --sizes "" --exact-sizes "" --merge   # recompute the summary only
     python bench/tea/bench_tea_scale.py --sizes 10 --search exact --exact-sizes "" --isa avx2 --merge
+
+``--set key=value`` (repeatable) overrides a `LightTEAConfig` field in every run, to see which setting costs
+accuracy or time at scale. Such runs are not the defaults' series, so they go to their own ``--out`` file:
+
+    python bench/tea/bench_tea_scale.py --sizes 4 --exact-sizes "" --search exact --set candidate_dim=512 \\
+        --out bench/results/tea_scale_4x_candidate_dim512.json
 """
 
 from __future__ import annotations
@@ -95,7 +101,21 @@ def cpu_info() -> dict:
             "bf16_units": "avx512_bf16" in flags or "amx_bf16" in flags, "amx": "amx_tile" in flags}
 
 
-def child(scale: float, search: str, seed: int, rounds: int, nprobe: int | None, precision: str) -> dict:
+def parse_override(item: str) -> tuple[str, object]:
+    """``key=value`` of ``--set``: the value read as JSON (numbers, true/false, null) or ``None``, else as a string."""
+    key, sep, text = item.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--set {item!r}: expected key=value, e.g. --set candidate_dim=512")
+    if text == "None":
+        return key, None
+    try:
+        return key, json.loads(text)
+    except json.JSONDecodeError:
+        return key, text
+
+
+def child(scale: float, search: str, seed: int, rounds: int, nprobe: int | None, precision: str,
+          overrides: dict) -> dict:
     """One run in this process; returns its record."""
     t_import = time.perf_counter()
     import torch
@@ -127,6 +147,7 @@ def child(scale: float, search: str, seed: int, rounds: int, nprobe: int | None,
     kw = {"candidate_search": search, "rounds": rounds, "matmul_precision": precision}
     if nprobe is not None:
         kw["faiss_nprobe"] = nprobe
+    kw |= overrides
     model = LightTEA(LightTEAConfig(**kw))
     state["stage"] = "fit"
     t1 = time.perf_counter()
@@ -147,6 +168,7 @@ def child(scale: float, search: str, seed: int, rounds: int, nprobe: int | None,
         "threads": torch.get_num_threads(), "torch": torch.__version__,
         "faiss_nprobe": result.config["faiss_nprobe"], "matmul_precision": precision,
         "products": str(matmul_dtype(precision, torch.device("cpu"))).removeprefix("torch."),
+        "overrides": overrides,
     }
 
 
@@ -175,13 +197,27 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=3600, help="Seconds per run before it is abandoned.")
     ap.add_argument("--out", default=str(RESULT))
     ap.add_argument("--merge", action="store_true", help="Keep runs of the existing output not re-run now.")
+    ap.add_argument("--set", dest="overrides", action="append", type=parse_override, default=[],
+                    metavar="KEY=VALUE", help="Override a LightTEAConfig field in every run (repeatable); needs "
+                                              "its own --out file.")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    overrides = dict(args.overrides)
     if args.child:
         scale, search = args.child.split(":")
-        rec = child(float(scale), search, args.seed, args.rounds, args.nprobe, ISA_PRECISION.get(args.isa, "auto"))
+        rec = child(float(scale), search, args.seed, args.rounds, args.nprobe, ISA_PRECISION.get(args.isa, "auto"),
+                    overrides)
         print("RESULT " + json.dumps(rec | {"isa": args.isa, "isa_env": ISA_ENV[args.isa]}), flush=True)
         return
+    if overrides:
+        from tea_pipeline import LightTEAConfig  # noqa: PLC0415 (the parent needs it only to check the overrides)
+
+        try:
+            LightTEAConfig(**overrides)
+        except (TypeError, ValueError) as err:
+            ap.error(f"--set {overrides}: {err}")
+        if Path(args.out).resolve() == RESULT.resolve() or args.merge:
+            ap.error("--set runs are not the defaults' series: write them to their own --out file, without --merge.")
     sizes = [float(s) for s in args.sizes.split(",") if s]
     exact_sizes = [float(s) for s in args.exact_sizes.split(",") if s]
     plan = [(s, args.search) for s in sizes]
@@ -197,6 +233,7 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--child", f"{scale}:{search}", "--seed", str(args.seed),
                "--rounds", str(args.rounds), "--isa", args.isa]
         cmd += ["--nprobe", str(args.nprobe)] if args.nprobe else []
+        cmd += [arg for key, value in overrides.items() for arg in ("--set", f"{key}={json.dumps(value)}")]
         t = time.perf_counter()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT,
@@ -254,6 +291,7 @@ def main() -> None:
                        "load_average": os.getloadavg(), "memory_gb": round(os.sysconf("SC_PHYS_PAGES")
                                                                            * os.sysconf("SC_PAGE_SIZE") / 2**30, 1)},
            "config": {"rounds": args.rounds, "seed": args.seed, "search": args.search, "nprobe": args.nprobe,
+                      "overrides": overrides,
                       "proportions": "YAGO-WIKI50K: entities 49,629 / 49,222, relations 11 / 30, times 245, facts "
                                      "221,050 / 317,814 (TEA-GNN Table 1), pairs 49,172, seeds 5,000"},
            "summary": summary, "runs": runs}
