@@ -212,6 +212,10 @@ def main() -> None:
     if overrides:
         from tea_pipeline import LightTEAConfig  # noqa: PLC0415 (the parent needs it only to check the overrides)
 
+        flagged = {"candidate_search": "--search / --scalable-search / --exact-sizes", "rounds": "--rounds",
+                   "matmul_precision": "--isa", "faiss_nprobe": "--nprobe"}
+        for key in overrides.keys() & flagged.keys():
+            ap.error(f"--set {key}=...: use {flagged[key]} instead (the records and the summary read those flags).")
         try:
             LightTEAConfig(**overrides)
         except (TypeError, ValueError) as err:

@@ -27,7 +27,6 @@ from tea_pipeline.synthetic import make_scaled_pair
 
 M = int(os.environ.get("PQ_M", 64))
 KF = float(os.environ.get("PQ_KF", 1))
-KSEARCH = int(os.environ.get("PQ_K", 0))  # 0: search k itself
 MODE = os.environ.get("MODE", "pq")
 stats = {"pq_train_s": 0.0, "pq_add_s": 0.0, "pq_search_s": 0.0, "project_s": 0.0, "rescore_s": 0.0}
 
@@ -54,12 +53,10 @@ def pq_topk(left, right, k, block_rows, rank, rescore, generator, masked_rows=No
         idx.add(pr if cols is None else np.ascontiguousarray(pr[cols]))
         stats["pq_add_s"] += time.perf_counter() - t
         t = time.perf_counter()
-        ks = max(kk, KSEARCH) if KSEARCH else kk
-        scores = np.empty((len(queries), ks), np.float32)
-        ids = np.empty((len(queries), ks), np.int64)
+        scores = np.empty((len(queries), kk), np.float32)
+        ids = np.empty((len(queries), kk), np.int64)
         for r0 in range(0, len(queries), 4096):
-            scores[r0:r0 + 4096], ids[r0:r0 + 4096] = idx.search(queries[r0:r0 + 4096], ks)
-        scores, ids = scores[:, :kk], ids[:, :kk]
+            scores[r0:r0 + 4096], ids[r0:r0 + 4096] = idx.search(queries[r0:r0 + 4096], kk)
         stats["pq_search_s"] += time.perf_counter() - t
         assert (ids >= 0).all()
         if cols is not None:
@@ -90,9 +87,9 @@ scale = float(sys.argv[1]) if len(sys.argv) > 1 else 1.0
 t0 = time.perf_counter()
 pair = make_scaled_pair(scale, seed=0)
 gen = time.perf_counter() - t0
-cfg = LightTEAConfig(candidate_search="exact", candidate_check_rows=int(os.environ.get("CHECK", 0)))
+cfg = LightTEAConfig(candidate_search="exact")
 res = LightTEA(cfg).fit(pair)
-rec = {"mode": MODE, "M": M, "k_factor": KF, "k_search": KSEARCH, "scale": scale,
+rec = {"mode": MODE, "M": M, "k_factor": KF, "scale": scale,
        "wall_s": round(time.perf_counter() - t0, 1), "generate_s": round(gen, 1), "final": res.final,
        "stage_s": res.timings, "pq": {k: round(v, 2) for k, v in stats.items()},
        "rounds": [r.as_dict() for r in res.rounds],
