@@ -81,6 +81,12 @@ def blocked_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: in
 
     ``index_dtype`` is the dtype of the returned indices: ``torch.int32`` halves them (at a million entities and
     ``k = 500`` the two results' int64 indices are the search's largest allocations next to the features).
+
+    The score block (and the masked rows' copy of it) are allocated once and written in place by every block: a
+    fresh block of hundreds of megabytes per step is a fresh mapping whose pages fault in again on every product
+    when freed memory goes back to the OS (`LightTEAConfig.reuse_freed_memory_max_entities`). The blocked columns
+    are excluded by adding a row of 0 / -inf to the masked rows' scores, which leaves every allowed score as it is
+    and costs a fraction of a broadcast boolean ``masked_fill_`` (bench/tea/README.md).
     """
     if index_dtype not in (torch.int32, torch.long) or (index_dtype == torch.int32 and right.shape[0] >= 2**31):
         raise ValueError(f"index_dtype={index_dtype} for {right.shape[0]} columns: use torch.long, or torch.int32 "
@@ -107,14 +113,20 @@ def blocked_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: in
         mvals = torch.empty(n_masked, masked_k, dtype=out_dtype, device=left.device)
         midx = torch.empty(n_masked, masked_k, dtype=index_dtype, device=left.device)
         blocked = ~allowed_cols
-    score_bytes = torch.finfo(out_dtype).bits // 8 if quantized else right.element_size()
+    score_dtype = torch.float32 if quantized else right.dtype
+    score_bytes = torch.finfo(score_dtype).bits // 8
     block_rows = max(1, min(block_rows, block_bytes // max(1, right.shape[0] * score_bytes)))
+    scores = torch.empty(min(block_rows, n), right.shape[0], dtype=score_dtype, device=left.device)
+    if want_masked:  # 0 on allowed columns, -inf on blocked ones; the masked rows' scores go to their own buffer
+        bias = torch.zeros(right.shape[0], dtype=score_dtype, device=left.device).masked_fill_(blocked, float("-inf"))
+        masked_scores = None
     for r0 in range(0, n, block_rows):
         r1 = min(r0 + block_rows, n)
+        sims = scores[: r1 - r0]
         if quantized:
-            sims = torch._int_mm(left[r0:r1], right_t).float().mul_(right_scale)
+            torch.mul(torch._int_mm(left[r0:r1], right_t), right_scale, out=sims)
         else:
-            sims = left[r0:r1] @ right.T
+            torch.mm(left[r0:r1], right.T, out=sims)
         v, i = topk_rows(sims, k)
         if quantized:
             v.mul_(left_scale[r0:r1, None])
@@ -122,8 +134,14 @@ def blocked_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: in
         if want_masked:
             sel = masked_rows[r0:r1]
             if bool(sel.any()):
-                sub = sims if bool(sel.all()) else sims[sel]  # the block's scores are not read again
-                sub.masked_fill_(blocked, float("-inf"))
+                if bool(sel.all()):  # the block's scores are not read again
+                    sub = sims
+                else:
+                    picked = torch.nonzero(sel)[:, 0]
+                    if masked_scores is None:
+                        masked_scores = torch.empty_like(scores)
+                    sub = torch.index_select(sims, 0, picked, out=masked_scores[: len(picked)])
+                sub.add_(bias)
                 v, i = topk_rows(sub, masked_k)
                 if quantized:
                     v.mul_(left_scale[r0:r1][sel][:, None])

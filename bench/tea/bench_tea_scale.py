@@ -4,7 +4,8 @@ Each (size, search) run is a fresh process: it builds `tea_pipeline.synthetic.ma
 facts, time stamps and seeds in YAGO-WIKI50K's proportions, alignment known) and aligns it with the default
 `LightTEAConfig` except for ``candidate_search``. A sampler thread reads the process's RSS every 20 ms and keeps the
 peak per engine stage (`LightTEA.current_stage`), and on glibc also the peak of the bytes the allocator holds for
-live allocations (``stage_peak_live_gb``: RSS also counts freed memory kept for reuse); the run also records
+live allocations (``stage_peak_live_gb``: RSS also counts freed memory kept for reuse), and records its own CPU
+time (``sampler_cpu_s``, what the sampling takes from the run's two cores); the run also records
 per-stage seconds, the whole wall time (generation + alignment; interpreter start and imports are reported
 separately), H@1/H@10/MRR, the search used and the features' storage dtype.
 
@@ -137,6 +138,7 @@ def child(scale: float, search: str, seed: int, rounds: int, nprobe: int | None,
             if live is not None:
                 live_peaks[stage] = max(live_peaks.get(stage, 0.0), live())
             time.sleep(0.02)
+        state["sampler_cpu_s"] = time.thread_time()  # this thread's own CPU time: the sampling's cost to the run
 
     model = None
     sampler = threading.Thread(target=sample, daemon=True)
@@ -168,7 +170,7 @@ def child(scale: float, search: str, seed: int, rounds: int, nprobe: int | None,
         "threads": torch.get_num_threads(), "torch": torch.__version__,
         "faiss_nprobe": result.config["faiss_nprobe"], "matmul_precision": precision,
         "products": str(matmul_dtype(precision, torch.device("cpu"))).removeprefix("torch."),
-        "overrides": overrides,
+        "overrides": overrides, "sampler_cpu_s": round(state["sampler_cpu_s"], 2),
     }
 
 

@@ -120,6 +120,29 @@ def test_lowrank_topk_equals_exact_topk_when_the_subspace_covers_the_data(rank: 
                                                                     "rows": 37}
 
 
+@pytest.mark.parametrize("block_bytes", [1 << 20, 29 * 4 * 4, 29 * 4 * 7])
+def test_blocked_topk_equals_a_full_topk_in_every_block_shape(block_bytes: int) -> None:
+    # Blocks of 4 and 7 rows over 37 rows (a short last block), and one block of all rows; the masked rows include
+    # blocks with every row, some rows and no row masked: the reused score buffers must not carry one block's
+    # scores or mask into the next.
+    gen = torch.Generator().manual_seed(7)
+    left, right = l2n(torch.randn(37, 16, generator=gen)), l2n(torch.randn(29, 16, generator=gen))
+    rows = torch.zeros(37, dtype=torch.bool)
+    rows[0:4] = True  # a whole block of 4
+    rows[9:11] = True
+    rows[30:37] = True  # the short last block (of 4 rows) and a whole block of 7
+    cols = torch.rand(29, generator=gen) < 0.6
+    full, masked = blocked_topk(left, right, 9, 1000, rows, cols, 5, block_bytes=block_bytes)
+    sims = left @ right.T
+    want = torch.topk(sims, 9, dim=1)
+    want_masked = torch.topk(sims[rows].masked_fill(~cols, float("-inf")), 5, dim=1)
+    # the same candidates; the scores up to the BLAS's summation order, which may change with the block's height
+    assert torch.equal(full.index, want.indices) and torch.equal(masked.index, want_masked.indices)
+    torch.testing.assert_close(full.values, want.values, atol=1e-6, rtol=0)
+    torch.testing.assert_close(masked.values, want_masked.values, atol=1e-6, rtol=0)
+    assert bool(cols[masked.index].all())
+
+
 def test_rescored_candidates_carry_exact_scores_and_stay_sorted() -> None:
     gen = torch.Generator().manual_seed(4)
     left, right = l2n(torch.randn(23, 32, generator=gen)), l2n(torch.randn(40, 32, generator=gen))
