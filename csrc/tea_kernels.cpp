@@ -18,12 +18,21 @@
 // topk_rows: the k largest entries of every row, sorted (value descending, then column ascending).
 //   A strided sample of the row gives a threshold that at least k entries reach (checked; if not, the whole row
 //   is selected exactly), so only the few entries above it are selected and sorted instead of the whole row.
+//
+// topk_merge_: merges one column tile of scores into running top-k lists, in place, so a search can compute its
+//   products in tiles of the width that keeps them efficient, however many columns there are. Tiles must come in
+//   increasing column order. Once a row holds k entries, a later tile's entry enters only above the row's k-th
+//   value (on a tie the held, lower column stays first), so that row's scan is one comparison per entry; until
+//   then the tile's own candidates are found as in topk_rows. Optionally only some rows of the tile (rows) and
+//   only allowed columns take part.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -229,6 +238,115 @@ std::vector<torch::Tensor> topk_rows(torch::Tensor sims, int64_t k) {
   return {vals, idx};
 }
 
+namespace {
+
+// Merges row[0..c) (columns col0 + j; only where allowed[col0 + j] when allowed is given) into the sorted list
+// vals/idx of k entries (idx -1 where not yet filled).
+void merge_row(const float* row, int64_t c, int64_t col0, const bool* allowed, int64_t k, float* vals,
+               int64_t* idx, std::vector<float>& sample, std::vector<Entry>& cand) {
+  constexpr int64_t kStep = 16;
+  int64_t held = 0;
+  while (held < k && idx[held] >= 0) ++held;
+  cand.clear();
+  auto ok = [&](int64_t j) { return allowed == nullptr || allowed[col0 + j]; };
+  if (held == k) {
+    const float thr = vals[k - 1];
+    // Almost no entry of a later tile beats the k-th value: test 16 at a time (a branch-free, vectorised
+    // comparison) and look at single entries only in the rare groups that have one.
+    constexpr int64_t kGroup = 16;
+    int64_t j = 0;
+    for (; j + kGroup <= c; j += kGroup) {
+      int hit = 0;
+      for (int64_t t = 0; t < kGroup; ++t) hit |= row[j + t] > thr;
+      if (!hit) continue;
+      for (int64_t t = j; t < j + kGroup; ++t) {
+        if (row[t] > thr && ok(t)) cand.emplace_back(row[t], col0 + t);
+      }
+    }
+    for (; j < c; ++j) {
+      if (row[j] > thr && ok(j)) cand.emplace_back(row[j], col0 + j);
+    }
+    if (cand.empty()) return;
+  } else {
+    bool filtered = false;
+    if (c >= 8 * k && c / kStep >= 4 * (k / kStep + 8)) {
+      sample.clear();
+      for (int64_t j = 0; j < c; j += kStep) {
+        if (ok(j)) sample.push_back(row[j]);
+      }
+      // as in topk_row: about twice k allowed entries reach the (2k/kStep + 8)-th largest sample value
+      const int64_t rank = 2 * k / kStep + 8;
+      if (static_cast<int64_t>(sample.size()) > rank) {
+        std::nth_element(sample.begin(), sample.begin() + rank, sample.end(), std::greater<float>());
+        const float thr = sample[rank];
+        for (int64_t j = 0; j < c; ++j) {
+          if (row[j] >= thr && ok(j)) cand.emplace_back(row[j], col0 + j);
+        }
+        filtered = static_cast<int64_t>(cand.size()) >= k;
+      }
+    }
+    if (!filtered) {
+      cand.clear();
+      for (int64_t j = 0; j < c; ++j) {
+        if (ok(j)) cand.emplace_back(row[j], col0 + j);
+      }
+    }
+  }
+  for (int64_t j = 0; j < held; ++j) cand.emplace_back(vals[j], idx[j]);
+  if (static_cast<int64_t>(cand.size()) > k) {
+    std::nth_element(cand.begin(), cand.begin() + (k - 1), cand.end(), before);
+    cand.resize(k);
+  }
+  std::sort(cand.begin(), cand.end(), before);
+  const int64_t got = static_cast<int64_t>(cand.size());
+  for (int64_t j = 0; j < got; ++j) {
+    vals[j] = cand[j].first;
+    idx[j] = cand[j].second;
+  }
+  for (int64_t j = got; j < k; ++j) {
+    vals[j] = -std::numeric_limits<float>::infinity();
+    idx[j] = -1;
+  }
+}
+
+}  // namespace
+
+void topk_merge_(torch::Tensor sims, int64_t col0, torch::Tensor vals, torch::Tensor idx,
+                 std::optional<torch::Tensor> rows, std::optional<torch::Tensor> allowed) {
+  check_matrix(sims, "sims", torch::kFloat);
+  check_matrix(vals, "vals", torch::kFloat);
+  check_matrix(idx, "idx", torch::kLong);
+  TORCH_CHECK(vals.is_contiguous() && idx.is_contiguous(), "vals and idx must be contiguous");
+  const int64_t k = vals.size(1), c = sims.size(1);
+  const int64_t r = rows.has_value() ? rows->numel() : sims.size(0);
+  TORCH_CHECK(k >= 1 && vals.size(0) == r && idx.size(0) == r && idx.size(1) == k,
+              "vals and idx must both be (rows, k) with k >= 1");
+  const int64_t* rows_p = nullptr;
+  if (rows.has_value()) {
+    TORCH_CHECK(rows->scalar_type() == torch::kLong && rows->dim() == 1 && rows->is_contiguous(),
+                "rows must be a contiguous 1-D int64 tensor");
+    rows_p = rows->data_ptr<int64_t>();
+  }
+  const bool* allowed_p = nullptr;
+  if (allowed.has_value()) {
+    TORCH_CHECK(allowed->scalar_type() == torch::kBool && allowed->dim() == 1 && allowed->is_contiguous() &&
+                allowed->numel() >= col0 + c, "allowed must be a contiguous 1-D bool tensor over all columns");
+    allowed_p = allowed->data_ptr<bool>();
+  }
+  const float* s_p = sims.data_ptr<float>();
+  float* v_p = vals.data_ptr<float>();
+  int64_t* i_p = idx.data_ptr<int64_t>();
+  const int64_t ss = sims.stride(0);
+  at::parallel_for(0, r, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> sample;
+    std::vector<Entry> cand;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t src = rows_p ? rows_p[i] : i;
+      merge_row(s_p + src * ss, c, col0, allowed_p, k, v_p + i * k, i_p + i * k, sample, cand);
+    }
+  });
+}
+
 void sinkhorn_(torch::Tensor m, torch::Tensor index, int64_t num_cols, int64_t iterations) {
   TORCH_CHECK(m.device().is_cpu() && m.scalar_type() == torch::kFloat && m.dim() == 2 && m.is_contiguous(),
               "m must be a contiguous 2-D float32 CPU tensor");
@@ -332,6 +450,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("weighted_segment_sum", &weighted_segment_sum, "Per-projection weighted CSR sums in one pass");
   module.def("gathered_dot", &gathered_dot, "Dot products of left rows with gathered right rows");
   module.def("topk_rows", &topk_rows, "Sorted top-k of every row (ties: lower column first)");
+  module.def("topk_merge_", &topk_merge_, "Merge a column tile of scores into running top-k lists, in place");
   module.def("sinkhorn_", &sinkhorn_, "Sinkhorn iterations on a sparse k-candidate matrix, in place");
   module.def("dice_candidates", &dice_candidates, "Multiset Dice of time stamps for candidate pairs");
 }

@@ -67,8 +67,9 @@ class LightTEAConfig:
             How equal scores are ranked in evaluation. ``"random"`` (seeded) avoids leaking the answer on id-sorted
             pair files; ``"first"`` ranks the earlier candidate first, like the reference.
         block_rows (`int`, *optional*, defaults to `2048`):
-            Rows per block of the similarity search; bounds memory to ``block_rows x |test|`` scores (fewer rows
-            where those would exceed 256 MiB, see `similarity.blocked_topk`).
+            Rows per block of the similarity search. A block's scores are computed in column tiles of at most
+            256 MiB each, merged into the rows' running top-k lists one tile at a time, so the search's memory does
+            not grow with the number of test pairs (see `similarity.blocked_topk`).
         candidate_dim (`int`, *optional*, defaults to `256`):
             Rank of the principal subspace in which the top-k candidates are searched (the block products then
             cost ``candidate_dim / feature width`` of the full ones); the leading ``rescore_top`` candidates of each

@@ -18,8 +18,8 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["csr_entries", "dice_candidates", "gathered_dot", "native_kernels", "sinkhorn_", "topk_rows",
-           "weighted_segment_sum"]
+__all__ = ["csr_entries", "dice_candidates", "gathered_dot", "native_kernels", "sinkhorn_", "topk_merge_",
+           "topk_rows", "weighted_segment_sum"]
 
 _KERNEL = "tea_kernels"
 
@@ -106,6 +106,39 @@ def topk_rows(sims: torch.Tensor, k: int, native: bool = True) -> tuple[torch.Te
         values, index = kernel.topk_rows(sims, k)
         return values, index
     return torch.topk(sims, k, dim=1)
+
+
+def topk_merge_(sims: torch.Tensor, col0: int, values: torch.Tensor, index: torch.Tensor,
+                rows: torch.Tensor | None = None, allowed: torch.Tensor | None = None, native: bool = True) -> None:
+    """Merge a tile of scores (columns ``col0 ..``) into running top-k lists ``values`` / ``index``, in place.
+
+    ``values`` / ``index`` (rows x k, fp32 / int64) start as ``-inf`` / ``-1`` and stay sorted (value descending;
+    among equal values the native kernel keeps the lower column first). Tiles must come in increasing column order.
+    ``rows`` (int64) picks the tile rows that feed the lists (list ``i`` takes tile row ``rows[i]``); ``allowed``
+    (bool over all columns) leaves the other columns out. A list may end with ``-inf`` / ``-1`` padding only while
+    fewer than k allowed columns have been merged.
+    """
+    kernel = _native(sims, values) if native else None
+    if (kernel is not None and sims.dtype == torch.float32 and sims.stride(-1) == 1 and values.dtype == torch.float32
+            and index.dtype == torch.long and values.is_contiguous() and index.is_contiguous()):
+        kernel.topk_merge_(sims, col0, values, index, None if rows is None else rows.contiguous(),
+                           None if allowed is None else allowed.contiguous())
+        return
+    tile = sims if rows is None else sims[rows]
+    cols = torch.arange(col0, col0 + tile.shape[1], device=tile.device)
+    if allowed is not None:
+        keep = allowed[col0:col0 + tile.shape[1]]
+        tile, cols = tile[:, keep], cols[keep]
+    if tile.shape[1] == 0:
+        return
+    v, i = torch.topk(tile, min(values.shape[1], tile.shape[1]), dim=1)
+    # held entries first: on equal values the stable sort keeps them (the lower columns) ahead
+    merged_v = torch.cat([values, v.to(values.dtype)], dim=1)
+    merged_i = torch.cat([index, cols[i]], dim=1)
+    merged_v, order = torch.sort(merged_v, dim=1, descending=True, stable=True)
+    k = values.shape[1]
+    values.copy_(merged_v[:, :k])
+    index.copy_(merged_i.gather(1, order[:, :k]))
 
 
 def sinkhorn_(m: torch.Tensor, index: torch.Tensor, num_cols: int, iterations: int,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels import csr_entries, dice_candidates, gathered_dot, topk_rows
+from .kernels import csr_entries, dice_candidates, gathered_dot, topk_merge_
 
 
 def work_dtype(x: torch.Tensor) -> torch.dtype:
@@ -49,13 +49,22 @@ def quantize_rows(x: torch.Tensor, block: int = 16384) -> tuple[torch.Tensor, to
     return q, scale
 
 
-SCORE_BLOCK_BYTES = 1 << 28  # most bytes of scores one block of `blocked_topk` holds
+SCORE_BLOCK_BYTES = 1 << 28  # most bytes of scores one tile of `blocked_topk` holds
 
 
 @dataclass
 class TopK:
     values: torch.Tensor  # rows x k
     index: torch.Tensor  # rows x k, positions into the candidate (right) list
+
+
+def score_tiles(rows: int, cols: int, block_rows: int, block_bytes: int, score_bytes: int) -> tuple[int, int]:
+    """(rows, columns) of `blocked_topk`'s score tile: ``block_rows`` rows (at most ``rows``), and the columns split
+    into equal tiles of at most ``block_bytes`` of scores (one tile of every column when they fit)."""
+    tile_rows = max(1, min(block_rows, rows))
+    most = max(1, block_bytes // (tile_rows * score_bytes))
+    tiles = -(-cols // most)
+    return tile_rows, -(-cols // tiles)
 
 
 def blocked_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: int,
@@ -65,15 +74,19 @@ def blocked_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: in
                  index_dtype: torch.dtype = torch.long) -> tuple[TopK, TopK | None]:
     """Exact top-k of ``left @ right.T`` per row, in blocks of ``block_rows`` rows.
 
-    A block holds fewer rows when its scores would take more than ``block_bytes``: the score block (and the masked
-    rows' copy of it) are the search's largest temporaries, and at a million entities 2,048 rows of scores are
-    gigabytes, while a few hundred rows still make a product large enough to run at full speed. Each row's result
-    depends on its own scores only; only the BLAS's summation order may differ with the block's height (fp32
-    rounding).
+    A block's scores are computed in column tiles of at most ``block_bytes`` (`score_tiles`), each merged into the
+    block's running top-k lists (`kernels.topk_merge_`) before the next is computed: the score tile is the search's
+    largest temporary, and at a million entities 2,048 full rows of scores are gigabytes. Splitting the columns, not
+    the rows, keeps the product's shape at any size: a product of a few hundred rows runs markedly slower than one
+    of 2,048 (bench/tea/README.md), and once a row holds k candidates, a later tile costs its merge one comparison
+    per score. The tile is allocated once and written in place: a fresh tile of hundreds of megabytes per product
+    would fault its pages in again each time when freed memory goes back to the OS
+    (`LightTEAConfig.reuse_freed_memory_max_entities`). Each row's result depends on its own scores only; only the
+    BLAS's summation order may differ with the tile's shape (fp32 rounding).
 
-    With ``masked_rows`` (bool, rows) and ``allowed_cols`` (bool, columns), the same block products also give the
+    With ``masked_rows`` (bool, rows) and ``allowed_cols`` (bool, columns), the same tiles also give the
     top-``masked_k`` of the masked rows over the allowed columns only, so the pseudo-seed search of a round costs no
-    second matrix product. With ``matmul_dtype`` (e.g. bf16) the block products and the top-k selection run in that
+    second matrix product. With ``matmul_dtype`` (e.g. bf16) the products and the top-k selection run in that
     dtype (exact only up to its rounding; the returned values are in `work_dtype` of ``left``: its own dtype, fp32
     for fp16 storage). With ``torch.int8`` both sides are quantized per row (`quantize_rows`), the products
     accumulate in int32 (``torch._int_mm``) and are scaled back to fp32 before the selection: the right rows' scales
@@ -81,12 +94,6 @@ def blocked_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: in
 
     ``index_dtype`` is the dtype of the returned indices: ``torch.int32`` halves them (at a million entities and
     ``k = 500`` the two results' int64 indices are the search's largest allocations next to the features).
-
-    The score block (and the masked rows' copy of it) are allocated once and written in place by every block: a
-    fresh block of hundreds of megabytes per step is a fresh mapping whose pages fault in again on every product
-    when freed memory goes back to the OS (`LightTEAConfig.reuse_freed_memory_max_entities`). The blocked columns
-    are excluded by adding a row of 0 / -inf to the masked rows' scores, which leaves every allowed score as it is
-    and costs a fraction of a broadcast boolean ``masked_fill_`` (bench/tea/README.md).
     """
     if index_dtype not in (torch.int32, torch.long) or (index_dtype == torch.int32 and right.shape[0] >= 2**31):
         raise ValueError(f"index_dtype={index_dtype} for {right.shape[0]} columns: use torch.long, or torch.int32 "
@@ -97,56 +104,58 @@ def blocked_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: in
     quantized = matmul_dtype == torch.int8
     if quantized:
         (left, left_scale), (right, right_scale) = quantize_rows(left), quantize_rows(right)
-        right_t = right.T
     elif matmul_dtype is not None and matmul_dtype != left.dtype:
         left, right = left.to(matmul_dtype), right.to(matmul_dtype)
-    n = left.shape[0]
-    k = min(k, right.shape[0])
-    vals = torch.empty(n, k, dtype=out_dtype, device=left.device)
-    idx = torch.empty(n, k, dtype=index_dtype, device=left.device)
+    n, cols = left.shape[0], right.shape[0]
+    k = min(k, cols)
+    dev = left.device
+    vals = torch.empty(n, k, dtype=out_dtype, device=dev)
+    idx = torch.empty(n, k, dtype=index_dtype, device=dev)
     want_masked = masked_rows is not None
     if want_masked:
-        masked_pos = torch.full((n,), -1, dtype=torch.long, device=left.device)
+        masked_pos = torch.full((n,), -1, dtype=torch.long, device=dev)
         n_masked = int(masked_rows.sum())
-        masked_pos[masked_rows] = torch.arange(n_masked, device=left.device)
+        masked_pos[masked_rows] = torch.arange(n_masked, device=dev)
         masked_k = min(masked_k, int(allowed_cols.sum()))
-        mvals = torch.empty(n_masked, masked_k, dtype=out_dtype, device=left.device)
-        midx = torch.empty(n_masked, masked_k, dtype=index_dtype, device=left.device)
-        blocked = ~allowed_cols
+        mvals = torch.empty(n_masked, masked_k, dtype=out_dtype, device=dev)
+        midx = torch.empty(n_masked, masked_k, dtype=index_dtype, device=dev)
+        allowed = allowed_cols.to(torch.bool).contiguous()
     score_dtype = torch.float32 if quantized else right.dtype
-    score_bytes = torch.finfo(score_dtype).bits // 8
-    block_rows = max(1, min(block_rows, block_bytes // max(1, right.shape[0] * score_bytes)))
-    scores = torch.empty(min(block_rows, n), right.shape[0], dtype=score_dtype, device=left.device)
-    if want_masked:  # 0 on allowed columns, -inf on blocked ones; the masked rows' scores go to their own buffer
-        bias = torch.zeros(right.shape[0], dtype=score_dtype, device=left.device).masked_fill_(blocked, float("-inf"))
-        masked_scores = None
-    for r0 in range(0, n, block_rows):
-        r1 = min(r0 + block_rows, n)
-        sims = scores[: r1 - r0]
-        if quantized:
-            torch.mul(torch._int_mm(left[r0:r1], right_t), right_scale, out=sims)
-        else:
-            torch.mm(left[r0:r1], right.T, out=sims)
-        v, i = topk_rows(sims, k)
-        if quantized:
-            v.mul_(left_scale[r0:r1, None])
-        vals[r0:r1], idx[r0:r1] = v, i
+    tile_rows, tile_cols = score_tiles(n, cols, block_rows, block_bytes, torch.finfo(score_dtype).bits // 8)
+    scores = torch.empty(tile_rows, tile_cols, dtype=score_dtype, device=dev)
+    # the running lists of one block: fp32 values (the native merge's; fp64 scores keep fp64), int64 columns
+    run_dtype = torch.float64 if score_dtype == torch.float64 else torch.float32
+    run_v = torch.empty(tile_rows, k, dtype=run_dtype, device=dev)
+    run_i = torch.empty(tile_rows, k, dtype=torch.long, device=dev)
+    for r0 in range(0, n, tile_rows):
+        r1 = min(r0 + tile_rows, n)
+        bv, bi = run_v[: r1 - r0].fill_(float("-inf")), run_i[: r1 - r0].fill_(-1)
+        picked = None
         if want_masked:
             sel = masked_rows[r0:r1]
-            if bool(sel.any()):
-                if bool(sel.all()):  # the block's scores are not read again
-                    sub = sims
-                else:
-                    picked = torch.nonzero(sel)[:, 0]
-                    if masked_scores is None:
-                        masked_scores = torch.empty_like(scores)
-                    sub = torch.index_select(sims, 0, picked, out=masked_scores[: len(picked)])
-                sub.add_(bias)
-                v, i = topk_rows(sub, masked_k)
-                if quantized:
-                    v.mul_(left_scale[r0:r1][sel][:, None])
-                pos = masked_pos[r0:r1][sel]
-                mvals[pos], midx[pos] = v, i.to(midx.dtype)
+            picked = torch.nonzero(sel)[:, 0]
+            mv = torch.full((len(picked), masked_k), float("-inf"), dtype=run_dtype, device=dev)
+            mi = torch.full((len(picked), masked_k), -1, dtype=torch.long, device=dev)
+        for c0 in range(0, cols, tile_cols):
+            c1 = min(c0 + tile_cols, cols)
+            sims = scores[: r1 - r0, : c1 - c0]
+            if c1 - c0 < tile_cols:  # the last, narrower tile: a contiguous view of the buffer
+                sims = scores.view(-1)[: (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0)
+            if quantized:
+                torch.mul(torch._int_mm(left[r0:r1], right[c0:c1].T), right_scale[c0:c1], out=sims)
+            else:
+                torch.mm(left[r0:r1], right[c0:c1].T, out=sims)
+            topk_merge_(sims, c0, bv, bi)
+            if want_masked and len(picked):
+                topk_merge_(sims, c0, mv, mi, rows=picked, allowed=allowed)
+        if quantized:
+            bv.mul_(left_scale[r0:r1, None])
+        vals[r0:r1], idx[r0:r1] = bv, bi
+        if want_masked and len(picked):
+            if quantized:
+                mv.mul_(left_scale[r0:r1][picked][:, None])
+            pos = masked_pos[r0:r1][picked]
+            mvals[pos], midx[pos] = mv.to(out_dtype), mi.to(index_dtype)
     return TopK(vals, idx), (TopK(mvals, midx) if want_masked else None)
 
 

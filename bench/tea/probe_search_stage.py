@@ -3,8 +3,9 @@ against another revision, side by side.
 
 `LightTEA`'s default search runs `blocked_topk` on rank-256 projections of the test rows: about 44,000 rows against
 44,000 at 1x, and 440,000 against 440,000 at 10x. A whole round takes minutes to hours at 10x, so this times a
-slice of the left rows (``--rows``, whole score blocks) against the full right side, on random unit rows, in the
-two forms a round has:
+slice of the left rows (``ROWS``: two blocks of the default 2,048 rows at 1x, 1,216 rows at 10x, which were 8 of the
+152-row blocks before the search took its products in column tiles) against the full right side, on random unit
+rows, in the two forms a round has:
 
 - ``round1``: no mask (the first round's pseudo-seed search is the evaluation search itself);
 - ``round2``: 45% of the rows masked and 45% of the columns allowed, about the open shares after round 1 at 1x
@@ -34,6 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SIZES = {"1x": 44_172, "10x": 439_830}  # test pairs (both sides of the search) of make_scaled_pair(1) / (10)
+ROWS = {"1x": 4096, "10x": 1216}
 RANK, K, OPEN = 256, 500, 0.45
 
 
@@ -89,7 +91,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--compare", default=None, help="Git revision to time against this checkout (a worktree).")
     ap.add_argument("--sizes", default="1x,10x")
-    ap.add_argument("--rows", type=int, default=1216, help="Left rows timed (8 blocks of 152 at 10x).")
+    ap.add_argument("--rows", type=int, default=None, help="Left rows timed at every size (default: ROWS).")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None, help="JSON output (default: print only).")
     ap.add_argument("--child", nargs=4, default=None, help=argparse.SUPPRESS)
@@ -113,7 +115,7 @@ def main() -> None:
             for size, form in cases:
                 order = list(trees) if rep % 2 == 0 else list(reversed(trees))
                 for name in order:
-                    got = run_child(trees[name], size, form, args.rows)
+                    got = run_child(trees[name], size, form, args.rows or ROWS[size])
                     times[f"{size}/{form}"][name].append(got["seconds"])
                     digests[f"{size}/{form}"].setdefault(name, got["digest"])
                     print(f"repeat {rep} {size}/{form} {name}: {got['seconds']:.2f} s", flush=True)
@@ -121,7 +123,8 @@ def main() -> None:
         if tmp:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", tmp], capture_output=True)
     result: dict = {"probe": "tea_search_stage", "date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_info(),
-                    "compare": args.compare, "rows": args.rows, "rank": RANK, "k": K, "open_share": OPEN,
+                    "compare": args.compare, "rows": {s: args.rows or ROWS[s] for s in args.sizes.split(",")},
+                    "rank": RANK, "k": K, "open_share": OPEN,
                     "repeats": args.repeats, "cases": {}}
     print(f"{'case':12s} " + " ".join(f"{t:>18s}" for t in trees) + ("   base/this" if "base" in trees else ""))
     for case, by_tree in times.items():
@@ -129,7 +132,7 @@ def main() -> None:
         for name, secs in by_tree.items():
             q = statistics.quantiles(secs, n=4) if len(secs) > 1 else [secs[0]] * 3
             entry[name] = {"median_s": statistics.median(secs), "iqr_s": q[2] - q[0], "seconds": secs,
-                           "rows_per_s": args.rows / statistics.median(secs)}
+                           "rows_per_s": (args.rows or ROWS[case.split("/")[0]]) / statistics.median(secs)}
         if "base" in entry:
             entry["speedup"] = entry["base"]["median_s"] / entry["this"]["median_s"]
             entry["same_candidates"] = len(set(digests[case].values())) == 1

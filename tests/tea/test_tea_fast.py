@@ -120,19 +120,19 @@ def test_lowrank_topk_equals_exact_topk_when_the_subspace_covers_the_data(rank: 
                                                                     "rows": 37}
 
 
-@pytest.mark.parametrize("block_bytes", [1 << 20, 29 * 4 * 4, 29 * 4 * 7])
-def test_blocked_topk_equals_a_full_topk_in_every_block_shape(block_bytes: int) -> None:
-    # Blocks of 4 and 7 rows over 37 rows (a short last block), and one block of all rows; the masked rows include
-    # blocks with every row, some rows and no row masked: the reused score buffers must not carry one block's
-    # scores or mask into the next.
+@pytest.mark.parametrize("block_rows,block_bytes", [(1000, 1 << 20), (1000, 37 * 4 * 3), (4, 4 * 4 * 7), (7, 1 << 20)])
+def test_blocked_topk_equals_a_full_topk_in_every_tile_shape(block_rows: int, block_bytes: int) -> None:
+    # One tile of everything; 37 rows in tiles of 3 columns (the last one narrower); blocks of 4 rows (a short last
+    # block) in tiles of 7 columns; blocks of 7 rows, whole width. The masked rows include blocks with every row,
+    # some rows and no row masked: the reused score tile must not carry one block's scores or lists into the next.
     gen = torch.Generator().manual_seed(7)
     left, right = l2n(torch.randn(37, 16, generator=gen)), l2n(torch.randn(29, 16, generator=gen))
     rows = torch.zeros(37, dtype=torch.bool)
-    rows[0:4] = True  # a whole block of 4
+    rows[0:4] = True
     rows[9:11] = True
-    rows[30:37] = True  # the short last block (of 4 rows) and a whole block of 7
+    rows[30:37] = True
     cols = torch.rand(29, generator=gen) < 0.6
-    full, masked = blocked_topk(left, right, 9, 1000, rows, cols, 5, block_bytes=block_bytes)
+    full, masked = blocked_topk(left, right, 9, block_rows, rows, cols, 5, block_bytes=block_bytes)
     sims = left @ right.T
     want = torch.topk(sims, 9, dim=1)
     want_masked = torch.topk(sims[rows].masked_fill(~cols, float("-inf")), 5, dim=1)

@@ -24,6 +24,7 @@ from tea_pipeline.kernels import (
     gathered_dot,
     native_kernels,
     sinkhorn_,
+    topk_merge_,
     topk_rows,
     weighted_segment_sum,
 )
@@ -128,6 +129,48 @@ def test_topk_rows_with_ties_and_masked_columns(native):
     ramp[:, ::16] = 1e6
     values, index = topk_rows(ramp, 400)
     _check_topk(values, index, ramp, 400)
+
+
+@pytest.mark.parametrize("tile", [7, 64, 1000, 5000])
+@pytest.mark.parametrize("with_rows", [False, True])
+def test_topk_merge_over_tiles_equals_topk_rows_of_the_whole_row(native, tile, with_rows):
+    # Column tiles merged one by one into running lists give the whole row's top-k, on both paths: the allowed
+    # columns are sparse enough that the first tiles cannot fill a list (padding until a later tile does), and
+    # quantized scores make ties within and across tiles (native: the lower column first, like topk_rows).
+    gen = torch.Generator().manual_seed(11)
+    sims = (torch.rand(40, 5000, generator=gen) * 50).round_() / 50
+    allowed = torch.rand(5000, generator=gen) < 0.3
+    allowed[:40] = False
+    rows = torch.tensor([3, 0, 17, 39, 8]) if with_rows else None
+    picked = sims if rows is None else sims[rows]
+    k = 300
+    want_all = topk_rows(picked, k)
+    want_allowed = topk_rows(picked.masked_fill(~allowed, float("-inf")), k)
+    for use_native in (True, False):
+        for mask, want in ((None, want_all), (allowed, want_allowed)):
+            vals = torch.full((picked.shape[0], k), float("-inf"))
+            idx = torch.full((picked.shape[0], k), -1, dtype=torch.long)
+            for c0 in range(0, 5000, tile):
+                topk_merge_(sims[:, c0:c0 + tile], c0, vals, idx, rows=rows, allowed=mask, native=use_native)
+            assert torch.equal(vals, want[0])
+            if use_native:
+                assert torch.equal(idx, want[1])
+            else:  # torch.topk orders ties freely: the same value at every column it lists
+                assert torch.equal(picked.gather(1, idx), want[0])
+            if mask is not None:
+                assert bool(mask[idx].all())
+
+
+def test_topk_merge_pads_until_k_allowed_columns_have_been_seen(native):
+    sims = torch.arange(12, dtype=torch.float32).view(1, 12)
+    allowed = torch.zeros(12, dtype=torch.bool)
+    allowed[[1, 2, 9]] = True
+    for use_native in (True, False):
+        vals, idx = torch.full((1, 3), float("-inf")), torch.full((1, 3), -1, dtype=torch.long)
+        topk_merge_(sims[:, :6], 0, vals, idx, allowed=allowed, native=use_native)
+        assert idx.tolist() == [[2, 1, -1]] and vals[0, 2].item() == float("-inf")
+        topk_merge_(sims[:, 6:], 6, vals, idx, allowed=allowed, native=use_native)
+        assert idx.tolist() == [[9, 2, 1]] and vals.tolist() == [[9.0, 2.0, 1.0]]
 
 
 def test_sinkhorn_matches_the_pytorch_iterations(native):
