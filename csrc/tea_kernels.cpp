@@ -15,16 +15,14 @@
 // dice_candidates: multiset Dice of time stamps for candidate pairs, 2 * sum_tau min(c1, c2) / (|c1| + |c2|), each
 //   left row's few (time, count) entries looked up in the candidates' dense count rows.
 //
-// topk_rows: the k largest entries of every row, sorted (value descending, then column ascending).
-//   A strided sample of the row gives a threshold that at least k entries reach (checked; if not, the whole row
-//   is selected exactly), so only the few entries above it are selected and sorted instead of the whole row.
-//
-// topk_merge_: merges one column tile of scores into running top-k lists, in place, so a search can compute its
-//   products in tiles of the width that keeps them efficient, however many columns there are. Tiles must come in
-//   increasing column order. Once a row holds k entries, a later tile's entry enters only above the row's k-th
-//   value (on a tie the held, lower column stays first), so that row's scan is one comparison per entry; until
-//   then the tile's own candidates are found as in topk_rows. Optionally only some rows of the tile (rows) and
-//   only allowed columns take part.
+// topk_merge_: merges one column tile of scores into running top-k lists (sorted: value descending, then column
+//   ascending), in place, so a search can compute its products in tiles of the width that keeps them efficient,
+//   however many columns there are. Tiles must come in increasing column order. Once a row holds k entries, a later
+//   tile's entry enters only above the row's k-th value (on a tie the held, lower column stays first), so that
+//   row's scan is one comparison per entry. Until then a strided sample of the tile gives a threshold that at least
+//   k entries reach (checked; if not, the whole tile is taken), so only the few entries above it are selected and
+//   sorted instead of the whole row. Optionally only some rows of the tile (rows) and only allowed columns take
+//   part. A top-k of whole rows (topk_rows in tea_pipeline/kernels.py) is one merge into empty lists.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -184,62 +182,6 @@ inline bool before(const Entry& a, const Entry& b) {
   return a.first > b.first || (a.first == b.first && a.second < b.second);
 }
 
-// Writes the k largest of row[0..c) (sorted) to vals/idx; scratch buffers are reused across rows.
-void topk_row(const float* row, int64_t c, int64_t k, float* vals, int64_t* idx, std::vector<float>& sample,
-              std::vector<Entry>& cand) {
-  cand.clear();
-  constexpr int64_t kStep = 16;
-  bool filtered = false;
-  if (c >= 8 * k && c / kStep >= 4 * (k / kStep + 8)) {
-    sample.clear();
-    for (int64_t j = 0; j < c; j += kStep) sample.push_back(row[j]);
-    // Every sample value stands for about kStep row entries: the (2k/kStep + 8)-th largest sample value is
-    // reached by about twice k row entries, so the threshold almost always keeps >= k entries.
-    const int64_t rank = std::min<int64_t>(static_cast<int64_t>(sample.size()) - 1, 2 * k / kStep + 8);
-    std::nth_element(sample.begin(), sample.begin() + rank, sample.end(), std::greater<float>());
-    const float thr = sample[rank];
-    for (int64_t j = 0; j < c; ++j) {
-      if (row[j] >= thr) cand.emplace_back(row[j], j);
-    }
-    filtered = static_cast<int64_t>(cand.size()) >= k;
-  }
-  if (!filtered) {
-    cand.clear();
-    for (int64_t j = 0; j < c; ++j) cand.emplace_back(row[j], j);
-  }
-  if (static_cast<int64_t>(cand.size()) > k) {
-    std::nth_element(cand.begin(), cand.begin() + (k - 1), cand.end(), before);
-    cand.resize(k);
-  }
-  std::sort(cand.begin(), cand.end(), before);
-  for (int64_t j = 0; j < k; ++j) {
-    vals[j] = cand[j].first;
-    idx[j] = cand[j].second;
-  }
-}
-
-}  // namespace
-
-std::vector<torch::Tensor> topk_rows(torch::Tensor sims, int64_t k) {
-  check_matrix(sims, "sims", torch::kFloat);
-  const int64_t r = sims.size(0), c = sims.size(1);
-  TORCH_CHECK(k >= 1 && k <= c, "k must lie in [1, ", c, "], got ", k);
-  auto vals = torch::empty({r, k}, sims.options());
-  auto idx = torch::empty({r, k}, sims.options().dtype(torch::kLong));
-  const float* s_p = sims.data_ptr<float>();
-  float* v_p = vals.data_ptr<float>();
-  int64_t* i_p = idx.data_ptr<int64_t>();
-  const int64_t ss = sims.stride(0);
-  at::parallel_for(0, r, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> sample;
-    std::vector<Entry> cand;
-    for (int64_t i = begin; i < end; ++i) topk_row(s_p + i * ss, c, k, v_p + i * k, i_p + i * k, sample, cand);
-  });
-  return {vals, idx};
-}
-
-namespace {
-
 // Merges row[0..c) (columns col0 + j; only where allowed[col0 + j] when allowed is given) into the sorted list
 // vals/idx of k entries (idx -1 where not yet filled).
 void merge_row(const float* row, int64_t c, int64_t col0, const bool* allowed, int64_t k, float* vals,
@@ -274,7 +216,8 @@ void merge_row(const float* row, int64_t c, int64_t col0, const bool* allowed, i
       for (int64_t j = 0; j < c; j += kStep) {
         if (ok(j)) sample.push_back(row[j]);
       }
-      // as in topk_row: about twice k allowed entries reach the (2k/kStep + 8)-th largest sample value
+      // Every sample value stands for about kStep allowed entries: about twice k of them reach the
+      // (2k/kStep + 8)-th largest sample value, so the threshold almost always keeps >= k entries.
       const int64_t rank = 2 * k / kStep + 8;
       if (static_cast<int64_t>(sample.size()) > rank) {
         std::nth_element(sample.begin(), sample.begin() + rank, sample.end(), std::greater<float>());
@@ -325,6 +268,8 @@ void topk_merge_(torch::Tensor sims, int64_t col0, torch::Tensor vals, torch::Te
   if (rows.has_value()) {
     TORCH_CHECK(rows->scalar_type() == torch::kLong && rows->dim() == 1 && rows->is_contiguous(),
                 "rows must be a contiguous 1-D int64 tensor");
+    TORCH_CHECK(r == 0 || (rows->min().item<int64_t>() >= 0 && rows->max().item<int64_t>() < sims.size(0)),
+                "rows must index the rows of sims (0 .. ", sims.size(0) - 1, ")");
     rows_p = rows->data_ptr<int64_t>();
   }
   const bool* allowed_p = nullptr;
@@ -449,7 +394,6 @@ torch::Tensor dice_candidates(torch::Tensor crow, torch::Tensor col, torch::Tens
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("weighted_segment_sum", &weighted_segment_sum, "Per-projection weighted CSR sums in one pass");
   module.def("gathered_dot", &gathered_dot, "Dot products of left rows with gathered right rows");
-  module.def("topk_rows", &topk_rows, "Sorted top-k of every row (ties: lower column first)");
   module.def("topk_merge_", &topk_merge_, "Merge a column tile of scores into running top-k lists, in place");
   module.def("sinkhorn_", &sinkhorn_, "Sinkhorn iterations on a sparse k-candidate matrix, in place");
   module.def("dice_candidates", &dice_candidates, "Multiset Dice of time stamps for candidate pairs");

@@ -100,12 +100,16 @@ def gathered_dot(left: torch.Tensor, right: torch.Tensor, index: torch.Tensor, r
 
 
 def topk_rows(sims: torch.Tensor, k: int, native: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``k`` largest entries of every row of ``sims`` and their columns, sorted by value (descending)."""
-    kernel = _native(sims) if native else None
-    if kernel is not None and sims.dtype == torch.float32 and sims.stride(-1) == 1:
-        values, index = kernel.topk_rows(sims, k)
-        return values, index
-    return torch.topk(sims, k, dim=1)
+    """The ``k`` largest entries of every row of ``sims`` and their columns, sorted by value (descending): one
+    `topk_merge_` of the whole rows into empty lists."""
+    if not 1 <= k <= sims.shape[1]:
+        raise ValueError(f"k must lie in [1, {sims.shape[1]}] (the row length), got {k}")
+    if not native or _native(sims) is None or sims.dtype != torch.float32 or sims.stride(-1) != 1:
+        return torch.topk(sims, k, dim=1)
+    values = torch.full((sims.shape[0], k), float("-inf"), device=sims.device)
+    index = torch.full((sims.shape[0], k), -1, dtype=torch.long, device=sims.device)
+    topk_merge_(sims, 0, values, index)
+    return values, index
 
 
 def topk_merge_(sims: torch.Tensor, col0: int, values: torch.Tensor, index: torch.Tensor,

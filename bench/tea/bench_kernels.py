@@ -5,8 +5,9 @@ Usage: ``python bench/tea/bench_kernels.py [--threads 2] [--repeats 5] [--output
 The inputs are generated with the shapes one LightTEA round has on YAGO-WIKI20K with 400 seeds (38,124 output rows,
 329,968 tuples over 34,994 tails, 170 projections of width 16; 19,062 test pairs, 2,720-wide features, 64 re-scored
 candidates per row; 2,048-row blocks of a 19,062-column score matrix, top 500; 500 candidates per row in Sinkhorn
-and in the Dice of about 6 time stamps per entity out of 400), so the figures are per call of the stage each kernel
-replaces. Both paths run alternately ``--repeats`` times in one process; the table gives medians,
+and in the Dice of about 6 time stamps per entity out of 400; and, for the search's column tiles, one later
+31,417-column tile of a 10x-size search merged into 2,048 lists of 500), so the figures are per call of the stage
+each kernel replaces. Both paths run alternately ``--repeats`` times in one process; the table gives medians,
 IQRs and the speed-up, and the JSON records the CPU model and flags and whether the kernels were native.
 """
 
@@ -31,6 +32,7 @@ from tea_pipeline.kernels import (  # noqa: E402
     gathered_dot,
     native_kernels,
     sinkhorn_,
+    topk_merge_,
     topk_rows,
     weighted_segment_sum,
 )
@@ -60,12 +62,23 @@ def _cases(gen: torch.Generator) -> dict:
     totals = counts.to_dense().sum(1)
     right_dense = counts.to_dense()[n:].contiguous()
     left_ids = torch.arange(n)
+    # the exact search at 10x YAGO-WIKI50K size: 2,048-row blocks over 439,830 columns in 14 tiles of 31,417 (256 MiB);
+    # a later tile merged into lists already holding 500 candidates
+    tile_cols = 31_417
+    tile_a = torch.randn(2_048, 256, generator=gen) @ torch.randn(256, 2 * tile_cols, generator=gen)
+    held_v, held_i = topk_rows(tile_a[:, :tile_cols], 500)
+    tile_b = tile_a[:, tile_cols:].contiguous()
+
+    def merge_later_tile(native: bool) -> None:
+        topk_merge_(tile_b, tile_cols, held_v.clone(), held_i.clone(), native=native)
+
     return {
         "triple_view_sums (weighted_segment_sum)": lambda native: weighted_segment_sum(crow, col, w, z, m, out,
                                                                                        native=native),
         "rescore fp32 rows (gathered_dot)": lambda native: gathered_dot(left, right, index, native=native),
         "rescore fp16 rows (gathered_dot)": lambda native: gathered_dot(left, right.half(), index, native=native),
         "top-500 of a 2048-row block (topk_rows)": lambda native: topk_rows(sims, 500, native=native),
+        "a later 31,417-column tile into 2048 top-500 lists (topk_merge_)": merge_later_tile,
         "Sinkhorn, 15 iterations (sinkhorn_)": lambda native: sinkhorn_(weights.clone(), cand, n, 15, native=native),
         "time-stamp Dice of 500 candidates (dice_candidates)": lambda native: dice_candidates(
             crow_t, col_t, val_t, totals, left_ids, cand, right_dense, totals[n:], native=native),

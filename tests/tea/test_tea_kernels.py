@@ -173,6 +173,19 @@ def test_topk_merge_pads_until_k_allowed_columns_have_been_seen(native):
         assert idx.tolist() == [[9, 2, 1]] and vals.tolist() == [[9.0, 2.0, 1.0]]
 
 
+def test_topk_merge_rejects_bad_input(native):
+    sims = torch.zeros(4, 10)
+    vals, idx = torch.full((2, 3), float("-inf")), torch.full((2, 3), -1, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="rows must index the rows of sims"):
+        native.topk_merge_(sims, 0, vals, idx, torch.tensor([0, 4]), None)
+    with pytest.raises(RuntimeError, match="vals and idx must both be"):
+        native.topk_merge_(sims, 0, vals, idx, None, None)
+    with pytest.raises(RuntimeError, match="allowed must be"):
+        native.topk_merge_(sims, 5, vals, idx, torch.tensor([0, 1]), torch.ones(10, dtype=torch.bool))
+    with pytest.raises(ValueError, match="k must lie in"):
+        topk_rows(sims, 11)
+
+
 def test_sinkhorn_matches_the_pytorch_iterations(native):
     gen = torch.Generator().manual_seed(6)
     rows, k, num_cols = 300, 12, 90
