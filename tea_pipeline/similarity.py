@@ -63,8 +63,8 @@ def score_tiles(rows: int, cols: int, block_rows: int, block_bytes: int, score_b
     into equal tiles of at most ``block_bytes`` of scores (one tile of every column when they fit)."""
     tile_rows = max(1, min(block_rows, rows))
     most = max(1, block_bytes // (tile_rows * score_bytes))
-    tiles = -(-cols // most)
-    return tile_rows, -(-cols // tiles)
+    tiles = max(1, -(-cols // most))
+    return tile_rows, max(1, -(-cols // tiles))
 
 
 def blocked_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: int,
@@ -145,8 +145,9 @@ def blocked_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: in
                 torch.mul(torch._int_mm(left[r0:r1], right[c0:c1].T), right_scale[c0:c1], out=sims)
             else:
                 torch.mm(left[r0:r1], right[c0:c1].T, out=sims)
-            topk_merge_(sims, c0, bv, bi)
-            if want_masked and len(picked):
+            if k:
+                topk_merge_(sims, c0, bv, bi)
+            if want_masked and len(picked) and masked_k:
                 topk_merge_(sims, c0, mv, mi, rows=picked, allowed=allowed)
         if quantized:
             bv.mul_(left_scale[r0:r1, None])

@@ -143,6 +143,15 @@ def test_blocked_topk_equals_a_full_topk_in_every_tile_shape(block_rows: int, bl
     assert bool(cols[masked.index].all())
 
 
+def test_blocked_topk_with_no_candidates_or_no_allowed_column() -> None:
+    left, right = l2n(torch.randn(5, 4)), l2n(torch.randn(6, 4))
+    rows = torch.tensor([True, False, True, False, False])
+    full, masked = blocked_topk(left, right, 3, 2, rows, torch.zeros(6, dtype=torch.bool), 3)
+    assert full.index.shape == (5, 3) and masked.index.shape == (2, 0)
+    full, _ = blocked_topk(left, right[:0], 3, 2)
+    assert full.index.shape == (5, 0)
+
+
 def test_rescored_candidates_carry_exact_scores_and_stay_sorted() -> None:
     gen = torch.Generator().manual_seed(4)
     left, right = l2n(torch.randn(23, 32, generator=gen)), l2n(torch.randn(40, 32, generator=gen))
