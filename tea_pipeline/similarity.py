@@ -130,7 +130,6 @@ def blocked_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: in
     for r0 in range(0, n, tile_rows):
         r1 = min(r0 + tile_rows, n)
         bv, bi = run_v[: r1 - r0].fill_(float("-inf")), run_i[: r1 - r0].fill_(-1)
-        picked = None
         if want_masked:
             sel = masked_rows[r0:r1]
             picked = torch.nonzero(sel)[:, 0]
@@ -138,9 +137,8 @@ def blocked_topk(left: torch.Tensor, right: torch.Tensor, k: int, block_rows: in
             mi = torch.full((len(picked), masked_k), -1, dtype=torch.long, device=dev)
         for c0 in range(0, cols, tile_cols):
             c1 = min(c0 + tile_cols, cols)
-            sims = scores[: r1 - r0, : c1 - c0]
-            if c1 - c0 < tile_cols:  # the last, narrower tile: a contiguous view of the buffer
-                sims = scores.view(-1)[: (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0)
+            # a contiguous view of the buffer, also for a short last block or the narrower last tile
+            sims = scores.view(-1)[: (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0)
             if quantized:
                 torch.mul(torch._int_mm(left[r0:r1], right[c0:c1].T), right_scale[c0:c1], out=sims)
             else:
