@@ -22,7 +22,7 @@
 //   row's scan is one comparison per entry. Until then a strided sample of the tile gives a threshold that at least
 //   k entries reach (checked; if not, the whole tile is taken), so only the few entries above it are selected and
 //   sorted instead of the whole row. Optionally only some rows of the tile (rows) and only allowed columns take
-//   part. A top-k of whole rows (topk_rows in tea_pipeline/kernels.py) is one merge into empty lists.
+//   part. Scores are fp32 or bf16 (a bf16 search's tiles, read as the fp32 values they exactly are); lists are fp32. A top-k of whole rows (topk_rows in tea_pipeline/kernels.py) is one merge into empty lists.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -184,9 +184,12 @@ inline bool before(const Entry& a, const Entry& b) {
 
 // Merges row[0..c) (columns col0 + j; only where allowed[col0 + j] when allowed is given) into the sorted list
 // vals/idx of k entries (idx -1 where not yet filled).
-void merge_row(const float* row, int64_t c, int64_t col0, const bool* allowed, int64_t k, float* vals,
+// T is float or at::BFloat16 (the scores of a bf16 search, read as the fp32 values they are exactly).
+template <typename T>
+void merge_row(const T* scores, int64_t c, int64_t col0, const bool* allowed, int64_t k, float* vals,
                int64_t* idx, std::vector<float>& sample, std::vector<Entry>& cand) {
   constexpr int64_t kStep = 16;
+  auto row = [scores](int64_t j) { return static_cast<float>(scores[j]); };
   int64_t held = 0;
   while (held < k && idx[held] >= 0) ++held;
   cand.clear();
@@ -199,14 +202,14 @@ void merge_row(const float* row, int64_t c, int64_t col0, const bool* allowed, i
     int64_t j = 0;
     for (; j + kGroup <= c; j += kGroup) {
       int hit = 0;
-      for (int64_t t = 0; t < kGroup; ++t) hit |= row[j + t] > thr;
+      for (int64_t t = 0; t < kGroup; ++t) hit |= row(j + t) > thr;
       if (!hit) continue;
       for (int64_t t = j; t < j + kGroup; ++t) {
-        if (row[t] > thr && ok(t)) cand.emplace_back(row[t], col0 + t);
+        if (row(t) > thr && ok(t)) cand.emplace_back(row(t), col0 + t);
       }
     }
     for (; j < c; ++j) {
-      if (row[j] > thr && ok(j)) cand.emplace_back(row[j], col0 + j);
+      if (row(j) > thr && ok(j)) cand.emplace_back(row(j), col0 + j);
     }
     if (cand.empty()) return;
   } else {
@@ -214,7 +217,7 @@ void merge_row(const float* row, int64_t c, int64_t col0, const bool* allowed, i
     if (c >= 8 * k && c / kStep >= 4 * (k / kStep + 8)) {
       sample.clear();
       for (int64_t j = 0; j < c; j += kStep) {
-        if (ok(j)) sample.push_back(row[j]);
+        if (ok(j)) sample.push_back(row(j));
       }
       // Every sample value stands for about kStep allowed entries: about twice k of them reach the
       // (2k/kStep + 8)-th largest sample value, so the threshold almost always keeps >= k entries.
@@ -223,7 +226,7 @@ void merge_row(const float* row, int64_t c, int64_t col0, const bool* allowed, i
         std::nth_element(sample.begin(), sample.begin() + rank, sample.end(), std::greater<float>());
         const float thr = sample[rank];
         for (int64_t j = 0; j < c; ++j) {
-          if (row[j] >= thr && ok(j)) cand.emplace_back(row[j], col0 + j);
+          if (row(j) >= thr && ok(j)) cand.emplace_back(row(j), col0 + j);
         }
         filtered = static_cast<int64_t>(cand.size()) >= k;
       }
@@ -231,7 +234,7 @@ void merge_row(const float* row, int64_t c, int64_t col0, const bool* allowed, i
     if (!filtered) {
       cand.clear();
       for (int64_t j = 0; j < c; ++j) {
-        if (ok(j)) cand.emplace_back(row[j], col0 + j);
+        if (ok(j)) cand.emplace_back(row(j), col0 + j);
       }
     }
   }
@@ -256,7 +259,8 @@ void merge_row(const float* row, int64_t c, int64_t col0, const bool* allowed, i
 
 void topk_merge_(torch::Tensor sims, int64_t col0, torch::Tensor vals, torch::Tensor idx,
                  std::optional<torch::Tensor> rows, std::optional<torch::Tensor> allowed) {
-  check_matrix(sims, "sims", torch::kFloat);
+  const bool bf16 = sims.scalar_type() == torch::kBFloat16;
+  check_matrix(sims, "sims", bf16 ? torch::kBFloat16 : torch::kFloat);
   check_matrix(vals, "vals", torch::kFloat);
   check_matrix(idx, "idx", torch::kLong);
   TORCH_CHECK(vals.is_contiguous() && idx.is_contiguous(), "vals and idx must be contiguous");
@@ -278,18 +282,24 @@ void topk_merge_(torch::Tensor sims, int64_t col0, torch::Tensor vals, torch::Te
                 allowed->numel() >= col0 + c, "allowed must be a contiguous 1-D bool tensor over all columns");
     allowed_p = allowed->data_ptr<bool>();
   }
-  const float* s_p = sims.data_ptr<float>();
   float* v_p = vals.data_ptr<float>();
   int64_t* i_p = idx.data_ptr<int64_t>();
   const int64_t ss = sims.stride(0);
-  at::parallel_for(0, r, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> sample;
-    std::vector<Entry> cand;
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t src = rows_p ? rows_p[i] : i;
-      merge_row(s_p + src * ss, c, col0, allowed_p, k, v_p + i * k, i_p + i * k, sample, cand);
-    }
-  });
+  auto merge_rows = [&](const auto* s_p) {
+    at::parallel_for(0, r, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> sample;
+      std::vector<Entry> cand;
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t src = rows_p ? rows_p[i] : i;
+        merge_row(s_p + src * ss, c, col0, allowed_p, k, v_p + i * k, i_p + i * k, sample, cand);
+      }
+    });
+  };
+  if (bf16) {
+    merge_rows(sims.data_ptr<at::BFloat16>());
+  } else {
+    merge_rows(sims.data_ptr<float>());
+  }
 }
 
 void sinkhorn_(torch::Tensor m, torch::Tensor index, int64_t num_cols, int64_t iterations) {

@@ -116,14 +116,17 @@ def topk_merge_(sims: torch.Tensor, col0: int, values: torch.Tensor, index: torc
                 rows: torch.Tensor | None = None, allowed: torch.Tensor | None = None, native: bool = True) -> None:
     """Merge a tile of scores (columns ``col0 ..``) into running top-k lists ``values`` / ``index``, in place.
 
-    ``values`` / ``index`` (rows x k, fp32 / int64) start as ``-inf`` / ``-1`` and stay sorted (value descending;
-    among equal values the native kernel keeps the lower column first). Tiles must come in increasing column order.
+    ``sims`` is fp32 or bf16 on the native path (a bf16 search's tiles, read as the fp32 values they exactly are;
+    other dtypes take the PyTorch path). ``values`` / ``index`` (rows x k, fp32 / int64) start as ``-inf`` / ``-1``
+    and stay sorted (value descending; among equal values the native kernel keeps the lower column first). Tiles
+    must come in increasing column order.
     ``rows`` (int64) picks the tile rows that feed the lists (list ``i`` takes tile row ``rows[i]``); ``allowed``
     (bool over all columns) leaves the other columns out. A list may end with ``-inf`` / ``-1`` padding only while
     fewer than k allowed columns have been merged.
     """
     kernel = _native(sims, values) if native else None
-    if (kernel is not None and sims.dtype == torch.float32 and sims.stride(-1) == 1 and values.dtype == torch.float32
+    if (kernel is not None and sims.dtype in (torch.float32, torch.bfloat16) and sims.stride(-1) == 1
+            and values.dtype == torch.float32
             and index.dtype == torch.long and values.is_contiguous() and index.is_contiguous()):
         kernel.topk_merge_(sims, col0, values, index, None if rows is None else rows.contiguous(),
                            None if allowed is None else allowed.contiguous())

@@ -68,9 +68,13 @@ def _cases(gen: torch.Generator) -> dict:
     tile_a = torch.randn(2_048, 256, generator=gen) @ torch.randn(256, 2 * tile_cols, generator=gen)
     held_v, held_i = topk_rows(tile_a[:, :tile_cols], 500)
     tile_b = tile_a[:, tile_cols:].contiguous()
+    tile_b16 = tile_b.bfloat16()  # the same tile from a bf16 search (matmul_precision bf16: CPUs with bf16 units)
 
     def merge_later_tile(native: bool) -> None:
         topk_merge_(tile_b, tile_cols, held_v.clone(), held_i.clone(), native=native)
+
+    def merge_later_bf16_tile(native: bool) -> None:
+        topk_merge_(tile_b16, tile_cols, held_v.clone(), held_i.clone(), native=native)
 
     return {
         "triple_view_sums (weighted_segment_sum)": lambda native: weighted_segment_sum(crow, col, w, z, m, out,
@@ -79,6 +83,7 @@ def _cases(gen: torch.Generator) -> dict:
         "rescore fp16 rows (gathered_dot)": lambda native: gathered_dot(left, right.half(), index, native=native),
         "top-500 of a 2048-row block (topk_rows)": lambda native: topk_rows(sims, 500, native=native),
         "a later 31,417-column tile into 2048 top-500 lists (topk_merge_)": merge_later_tile,
+        "the same tile in bf16 (topk_merge_)": merge_later_bf16_tile,
         "Sinkhorn, 15 iterations (sinkhorn_)": lambda native: sinkhorn_(weights.clone(), cand, n, 15, native=native),
         "time-stamp Dice of 500 candidates (dice_candidates)": lambda native: dice_candidates(
             crow_t, col_t, val_t, totals, left_ids, cand, right_dense, totals[n:], native=native),

@@ -133,12 +133,15 @@ def test_topk_rows_with_ties_and_masked_columns(native):
 
 @pytest.mark.parametrize("tile", [7, 64, 1000, 5000])
 @pytest.mark.parametrize("with_rows", [False, True])
-def test_topk_merge_over_tiles_equals_topk_rows_of_the_whole_row(native, tile, with_rows):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_topk_merge_over_tiles_equals_topk_rows_of_the_whole_row(native, tile, with_rows, dtype):
     # Column tiles merged one by one into running lists give the whole row's top-k, on both paths: the allowed
     # columns are sparse enough that the first tiles cannot fill a list (padding until a later tile does), and
     # quantized scores make ties within and across tiles (native: the lower column first, like topk_rows).
+    # bf16 tiles (a bf16 search's) merge into fp32 lists holding exactly their values.
     gen = torch.Generator().manual_seed(11)
-    sims = (torch.rand(40, 5000, generator=gen) * 50).round_() / 50
+    tiles = ((torch.rand(40, 5000, generator=gen) * 50).round_() / 50).to(dtype)
+    sims = tiles.float()
     allowed = torch.rand(5000, generator=gen) < 0.3
     allowed[:40] = False
     rows = torch.tensor([3, 0, 17, 39, 8]) if with_rows else None
@@ -151,7 +154,7 @@ def test_topk_merge_over_tiles_equals_topk_rows_of_the_whole_row(native, tile, w
             vals = torch.full((picked.shape[0], k), float("-inf"))
             idx = torch.full((picked.shape[0], k), -1, dtype=torch.long)
             for c0 in range(0, 5000, tile):
-                topk_merge_(sims[:, c0:c0 + tile], c0, vals, idx, rows=rows, allowed=mask, native=use_native)
+                topk_merge_(tiles[:, c0:c0 + tile], c0, vals, idx, rows=rows, allowed=mask, native=use_native)
             assert torch.equal(vals, want[0])
             if use_native:
                 assert torch.equal(idx, want[1])
@@ -182,6 +185,8 @@ def test_topk_merge_rejects_bad_input(native):
         native.topk_merge_(sims, 0, vals, idx, None, None)
     with pytest.raises(RuntimeError, match="allowed must be"):
         native.topk_merge_(sims, 5, vals, idx, torch.tensor([0, 1]), torch.ones(10, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="sims must be Float"):  # fp16 scores: the PyTorch path's
+        native.topk_merge_(sims.half(), 0, vals, idx, torch.tensor([0, 1]), None)
     with pytest.raises(ValueError, match="k must lie in"):
         topk_rows(sims, 11)
 
