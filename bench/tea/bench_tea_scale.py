@@ -15,7 +15,10 @@ run with the exact search only stands in the series with that search). At
 (``candidate_search="exact"``, the quadratic PyTorch search) are both run, and ``h1_gap_vs_exact`` is the largest
 (exact H@1 - scalable H@1) over them. ``time_exponent`` is the least-squares slope
 of log(wall) against log(entities) over the scalable runs from 2x to 10x (over every size that ran when fewer than two
-of those did: see ``time_exponent_sizes``). Writes ``bench/results/tea_scale.json`` with a ``summary`` object.
+of those did: see ``time_exponent_sizes``). Each run records when it ran, from which commit and the load average
+at its end (``measured``, ``load_average_end``); the summary lists the first two per size (``measured``,
+``revision``), since ``--merge`` keeps runs of earlier code. Writes ``bench/results/tea_scale.json`` with a
+``summary`` object.
 
 ``--isa avx2`` runs the children the way a CPU without AVX-512 or bf16 units runs them (PyTorch, oneDNN and MKL held
 to their AVX2 code paths, fp32 products: `bench_lighttea.ISA_ENV`). The summary's series are the ``host`` runs;
@@ -171,7 +174,25 @@ def child(scale: float, search: str, seed: int, rounds: int, nprobe: int | None,
         "faiss_nprobe": result.config["faiss_nprobe"], "matmul_precision": precision,
         "products": str(matmul_dtype(precision, torch.device("cpu"))).removeprefix("torch."),
         "overrides": overrides, "sampler_cpu_s": round(state["sampler_cpu_s"], 2),
+        "load_average_end": [round(x, 2) for x in os.getloadavg()],
     }
+
+
+def utc_now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+
+
+def code_revision() -> str | None:
+    """The checkout's commit, with ``+changes`` when tracked files differ from it: a merged file can hold runs of
+    several revisions, and the summary says which run came from which."""
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=30, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return rev + ("+changes" if dirty else "")
 
 
 def fit_exponent(runs: list[dict], lo: float, hi: float) -> tuple[float | None, list[float]]:
@@ -235,7 +256,9 @@ def main() -> None:
     if args.merge and out.exists():
         runs = [r for r in json.loads(out.read_text()).get("runs", [])
                 if (r["scale"], r["requested_search"], r.get("isa", "host")) not in {(*p, args.isa) for p in plan}]
+    revision = code_revision()
     for scale, search in plan:
+        started = utc_now()
         cmd = [sys.executable, __file__, "--child", f"{scale}:{search}", "--seed", str(args.seed),
                "--rounds", str(args.rounds), "--isa", args.isa]
         cmd += ["--nprobe", str(args.nprobe)] if args.nprobe else []
@@ -257,6 +280,7 @@ def main() -> None:
             continue
         rec = json.loads(line[7:])
         rec["process_wall_s"] = round(time.perf_counter() - t, 2)
+        rec["measured"] = {"start": started, "end": utc_now(), "revision": revision}
         runs.append(rec)
         print(f"{scale:g}x {rec['search']:5s} {args.isa:4s} entities {rec['entities']:>9,d} "
               f"wall {rec['wall_s']:8.1f} s peak {rec['peak_rss_gb']:6.2f} GB H@1 {rec['final']['hits@1']:.4f}",
@@ -288,11 +312,14 @@ def main() -> None:
         "h1_gap_vs_exact": max(gaps.values()) if gaps else None,
         "h1_gap_by_size": gaps,
         "not_run": [f"{s:g}x" for s in sorted(set(sizes) | set(TARGET_SIZES)) if s not in scalable],
+        # when and from which code each size's run came (a --merge file can mix them; older runs lack the record)
+        "measured": [scalable[s].get("measured", {}).get("end") for s in order],
+        "revision": [scalable[s].get("measured", {}).get("revision") for s in order],
         "avx2": {"sizes": [f"{r['scale']:g}x" for r in avx2], "search": [r["search"] for r in avx2],
                  "wall_s": [r["wall_s"] for r in avx2], "peak_rss_gb": [r["peak_rss_gb"] for r in avx2],
                  "hits@1": [round(r["final"]["hits@1"], 4) for r in avx2]},
     }
-    doc = {"benchmark": "tea_scale", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    doc = {"benchmark": "tea_scale", "date": utc_now(),
            "machine": {"cpu": cpu_info(), "python": platform.python_version(),
                        "load_average": os.getloadavg(), "memory_gb": round(os.sysconf("SC_PHYS_PAGES")
                                                                            * os.sysconf("SC_PAGE_SIZE") / 2**30, 1)},
