@@ -248,6 +248,9 @@ class EmulatedCluster:
         finally:
             if server.poll() is None:
                 server.kill()
+                server.wait(timeout=30)
+            if server.stdout is not None:
+                server.stdout.close()
         return received / elapsed / 1e6
 
     # -- running ranks ------------------------------------------------------------------------------------------
