@@ -45,15 +45,19 @@ def native_kernels() -> dict[str, str]:
 
 
 def weighted_segment_sum(crow: torch.Tensor, col: torch.Tensor, w: torch.Tensor, z: torch.Tensor, m: int,
-                         out: torch.Tensor, native: bool = True) -> torch.Tensor:
+                         out: torch.Tensor, native: bool = True, prefetch: int = 4) -> torch.Tensor:
     """``out[h, j*m:(j+1)*m] = sum_{q in crow[h]:crow[h+1]} w[q, j] * z[col[q], j*m:(j+1)*m]``, written into ``out``.
 
     ``crow`` / ``col`` are a CSR pattern (n x rows of ``z``) shared by all ``D = w.shape[1]`` projections; ``z`` is
     ``rows x D*m``; ``out`` is ``n x D*m`` (any row stride, e.g. a column block of a wider matrix).
+
+    ``prefetch`` (native kernel only): how many tuples ahead the kernel asks for the ``z`` row it will read; the rows
+    are read in tuple order, at random once ``z`` outgrows the caches, so without it every row waits for memory
+    (0 turns it off; `bench/tea/bench_kernels.py` measures both).
     """
     kernel = _native(z) if native else None
     if kernel is not None:
-        return kernel.weighted_segment_sum(crow, col, w, z, m, out)
+        return kernel.weighted_segment_sum(crow, col, w, z, m, out, prefetch)
     n, d = len(crow) - 1, w.shape[1]
     zt = z.reshape(-1, d, m).transpose(0, 1).contiguous()  # D x rows x m: one dense operand per projection
     wt = w.T.contiguous()

@@ -6,9 +6,11 @@ The inputs are generated with the shapes one LightTEA round has on YAGO-WIKI20K 
 329,968 tuples over 34,994 tails, 170 projections of width 16; 19,062 test pairs, 2,720-wide features, 64 re-scored
 candidates per row; 2,048-row blocks of a 19,062-column score matrix, top 500; 500 candidates per row in Sinkhorn
 and in the Dice of about 6 time stamps per entity out of 400; and, for the search's column tiles, one later
-31,417-column tile of a 10x-size search merged into 2,048 lists of 500), so the figures are per call of the stage
-each kernel replaces. Both paths run alternately ``--repeats`` times in one process; the table gives medians,
-IQRs and the speed-up, and the JSON records the CPU model and flags and whether the kernels were native.
+31,417-column tile of a 10x-size search merged into 2,048 lists of 500; and one pass of the triple view's sums at
+4x YAGO-WIKI50K size with the default widths, native with and without its row prefetch: ``summary``'s
+``segment_sum_prefetch_gain_4x``), so the figures are per call of the stage each kernel replaces. Both paths run
+alternately ``--repeats`` times in one process; the table gives medians, IQRs and the speed-up, and the JSON
+records the CPU model and flags and whether the kernels were native.
 """
 
 from __future__ import annotations
@@ -69,6 +71,16 @@ def _cases(gen: torch.Generator) -> dict:
     held_v, held_i = topk_rows(tile_a[:, :tile_cols], 500)
     tile_b = tile_a[:, tile_cols:].contiguous()
     tile_b16 = tile_b.bfloat16()  # the same tile from a bf16 search (matmul_precision bf16: CPUs with bf16 units)
+    # one pass of the triple view's sums at 4x YAGO-WIKI50K size with the default widths: 3,853,631 tuples over
+    # 393,726 tails into 353,376 rows, a block of 10 projections of width 8 (z is 126 MB: its rows come from memory)
+    n4, tails4, tuples4, d4, m4 = 353_376, 393_726, 3_853_631, 10, 8
+    deg4 = torch.multinomial(torch.ones(n4), tuples4, replacement=True, generator=gen).bincount(minlength=n4)
+    crow4 = torch.zeros(n4 + 1, dtype=torch.long)
+    crow4[1:] = deg4.cumsum(0)
+    col4 = torch.randint(0, tails4, (tuples4,), generator=gen)
+    w4 = torch.randn(tuples4, d4, generator=gen)
+    z4 = torch.randn(tails4, d4 * m4, generator=gen)
+    out4 = torch.empty(n4, d4 * m4)
 
     def merge_later_tile(native: bool) -> None:
         topk_merge_(tile_b, tile_cols, held_v.clone(), held_i.clone(), native=native)
@@ -79,6 +91,10 @@ def _cases(gen: torch.Generator) -> dict:
     return {
         "triple_view_sums (weighted_segment_sum)": lambda native: weighted_segment_sum(crow, col, w, z, m, out,
                                                                                        native=native),
+        "triple_view_sums, one 4x-size pass (weighted_segment_sum)": lambda native: weighted_segment_sum(
+            crow4, col4, w4, z4, m4, out4, native=native),
+        "the same pass, native without prefetch": lambda native: weighted_segment_sum(
+            crow4, col4, w4, z4, m4, out4, native=native, prefetch=0),
         "rescore fp32 rows (gathered_dot)": lambda native: gathered_dot(left, right, index, native=native),
         "rescore fp16 rows (gathered_dot)": lambda native: gathered_dot(left, right.half(), index, native=native),
         "top-500 of a 2048-row block (topk_rows)": lambda native: topk_rows(sims, 500, native=native),
@@ -119,9 +135,14 @@ def main(argv: list[str] | None = None) -> int:
         rows[name] = {"native_s": ours, "pytorch_s": torch_path,
                       "speedup": round(torch_path["median"] / ours["median"], 2),
                       "iqr_overlap": not (ours["q3"] < torch_path["q1"] or torch_path["q3"] < ours["q1"])}
+    pf, no_pf = (rows["triple_view_sums, one 4x-size pass (weighted_segment_sum)"],
+                 rows["the same pass, native without prefetch"])
     record = {"benchmark": "tea_pipeline native kernels vs PyTorch paths (per call, YAGO-WIKI20K shapes)",
               "summary": {"speedup": {k: v["speedup"] for k, v in rows.items()},
-                          "all_at_least_1_5x": all(v["speedup"] >= 1.5 for v in rows.values())},
+                          "all_at_least_1_5x": all(v["speedup"] >= 1.5 for v in rows.values()),
+                          # the row prefetch of weighted_segment_sum: the same kernel with it off / on
+                          "segment_sum_prefetch_gain_4x": round(no_pf["native_s"]["median"]
+                                                                / pf["native_s"]["median"], 2)},
               "kernels": rows, "threads": torch.get_num_threads(), "repeats": args.repeats,
               "machine": {"cpu": cpu_info(), "torch": torch.__version__}}
     out = Path(args.output)

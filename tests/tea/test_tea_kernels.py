@@ -72,6 +72,22 @@ def test_weighted_segment_sum_matches_the_per_projection_csr_products(native):
     assert (wide_native[3, 4:4 + d * m] == 0).all()
 
 
+def test_weighted_segment_sum_prefetch_distance_does_not_change_the_sums(native):
+    # prefetching only asks for rows early: every distance (off, 1, the default, past the last tuple) gives the same
+    # bits, with rows of several cache lines and a z row stride wider than the row
+    gen = torch.Generator().manual_seed(2)
+    n, tails, d, m = 64, 200, 5, 8
+    crow, col = _csr(n, tails, [int(x) for x in torch.randint(0, 9, (n,), generator=gen)], gen)
+    w = torch.randn(len(col), d, generator=gen)
+    z = torch.randn(tails, d * m + 3, generator=gen)[:, :d * m]
+    outs = [native.weighted_segment_sum(crow, col, w, z, m, torch.empty(n, d * m), p)
+            for p in (0, 1, 4, 8, len(col) + 5)]
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])
+    with pytest.raises(RuntimeError, match="prefetch must be >= 0"):
+        native.weighted_segment_sum(crow, col, w, z, m, torch.empty(n, d * m), -1)
+
+
 def test_weighted_segment_sum_rejects_bad_input(native):
     crow = torch.tensor([0, 2])
     col = torch.tensor([0, 5])
