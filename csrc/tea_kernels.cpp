@@ -4,8 +4,9 @@
 // weighted_segment_sum: the triple view's per-projection sums, all projections in one pass over the tuples.
 //   out[h, j*m + k] = sum over q in [crow[h], crow[h+1]) of w[q, j] * z[col[q], j*m + k]
 // The PyTorch path runs one CSR product per projection j (D passes over the tuple list, each reading a narrow
-// column block of z); here every tuple is visited once and its whole z row is streamed, the row `prefetch` tuples
-// ahead requested from memory first (the rows come at random: at scale each one is a cache miss).
+// column block of z); here every tuple is visited once and its whole z row is streamed. With prefetch > 0 the row
+// `prefetch` tuples ahead is requested from memory first (the rows come at random: at scale each one is a cache
+// miss); off by default, see bench/tea/README.md (2026-12-07 evening).
 //
 // gathered_dot: exact scores of candidate pairs without materialising the gathered rows.
 //   out[i, c] = dot(left[rows[i]], right[index[i, c]])      (rows defaults to 0..R-1; right fp32 or fp16)
@@ -413,7 +414,7 @@ torch::Tensor dice_candidates(torch::Tensor crow, torch::Tensor col, torch::Tens
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("weighted_segment_sum", &weighted_segment_sum, "Per-projection weighted CSR sums in one pass",
              pybind11::arg("crow"), pybind11::arg("col"), pybind11::arg("w"), pybind11::arg("z"), pybind11::arg("m"),
-             pybind11::arg("out"), pybind11::arg("prefetch") = 4);
+             pybind11::arg("out"), pybind11::arg("prefetch") = 0);
   module.def("gathered_dot", &gathered_dot, "Dot products of left rows with gathered right rows");
   module.def("topk_merge_", &topk_merge_, "Merge a column tile of scores into running top-k lists, in place");
   module.def("sinkhorn_", &sinkhorn_, "Sinkhorn iterations on a sparse k-candidate matrix, in place");

@@ -45,15 +45,16 @@ def native_kernels() -> dict[str, str]:
 
 
 def weighted_segment_sum(crow: torch.Tensor, col: torch.Tensor, w: torch.Tensor, z: torch.Tensor, m: int,
-                         out: torch.Tensor, native: bool = True, prefetch: int = 4) -> torch.Tensor:
+                         out: torch.Tensor, native: bool = True, prefetch: int = 0) -> torch.Tensor:
     """``out[h, j*m:(j+1)*m] = sum_{q in crow[h]:crow[h+1]} w[q, j] * z[col[q], j*m:(j+1)*m]``, written into ``out``.
 
     ``crow`` / ``col`` are a CSR pattern (n x rows of ``z``) shared by all ``D = w.shape[1]`` projections; ``z`` is
     ``rows x D*m``; ``out`` is ``n x D*m`` (any row stride, e.g. a column block of a wider matrix).
 
-    ``prefetch`` (native kernel only): how many tuples ahead the kernel asks for the ``z`` row it will read; the rows
-    are read in tuple order, at random once ``z`` outgrows the caches, so without it every row waits for memory
-    (0 turns it off; `bench/tea/bench_kernels.py` measures both).
+    ``prefetch`` (native kernel only): how many tuples ahead the kernel asks for the ``z`` row it will read (0: it
+    does not). The rows are read in tuple order, at random once ``z`` outgrows the caches, so each one waits for
+    memory; asking ahead usually overlaps those waits, but it is off by default because one whole run with it was
+    slower (`bench/tea/README.md`, 2026-12-07 evening; `bench/tea/bench_kernels.py` measures both).
     """
     kernel = _native(z) if native else None
     if kernel is not None:

@@ -7,10 +7,10 @@ The inputs are generated with the shapes one LightTEA round has on YAGO-WIKI20K 
 candidates per row; 2,048-row blocks of a 19,062-column score matrix, top 500; 500 candidates per row in Sinkhorn
 and in the Dice of about 6 time stamps per entity out of 400; and, for the search's column tiles, one later
 31,417-column tile of a 10x-size search merged into 2,048 lists of 500; and one pass of the triple view's sums at
-4x YAGO-WIKI50K size with the default widths, native with and without its row prefetch: ``summary``'s
-``segment_sum_prefetch_gain_4x``), so the figures are per call of the stage each kernel replaces. Both paths run
-alternately ``--repeats`` times in one process; the table gives medians, IQRs and the speed-up, and the JSON
-records the CPU model and flags and whether the kernels were native.
+4x YAGO-WIKI50K size with the default widths, native with its row prefetch 4 tuples ahead and without (the default):
+``summary``'s ``segment_sum_prefetch_gain_4x``), so the figures are per call of the stage each kernel replaces.
+Both paths run alternately ``--repeats`` times in one process; the table gives medians, IQRs and the speed-up, and
+the JSON records the CPU model and flags and whether the kernels were native.
 """
 
 from __future__ import annotations
@@ -40,15 +40,20 @@ from tea_pipeline.kernels import (  # noqa: E402
 )
 
 
-def _cases(gen: torch.Generator) -> dict:
-    n_out, tails, tuples, d, m = 38_124, 34_994, 329_968, 170, 16
+def _segment_sum_operands(gen: torch.Generator, n_out: int, tails: int, tuples: int, d: int, m: int) -> tuple:
+    """``(crow, col, w, z, m, out)`` of one `weighted_segment_sum` call: ``tuples`` spread at random over ``n_out``
+    output rows, each naming a random one of ``tails`` rows of ``z`` (``d`` projections of width ``m``)."""
     degrees = torch.multinomial(torch.ones(n_out), tuples, replacement=True, generator=gen).bincount(minlength=n_out)
     crow = torch.zeros(n_out + 1, dtype=torch.long)
     crow[1:] = degrees.cumsum(0)
     col = torch.randint(0, tails, (tuples,), generator=gen)
     w = torch.randn(tuples, d, generator=gen)
     z = torch.randn(tails, d * m, generator=gen)
-    out = torch.empty(n_out, d * m)
+    return crow, col, w, z, m, torch.empty(n_out, d * m)
+
+
+def _cases(gen: torch.Generator) -> dict:
+    sums_20k = _segment_sum_operands(gen, 38_124, 34_994, 329_968, 170, 16)
     n, width = 19_062, 2_720
     left = torch.nn.functional.normalize(torch.randn(n, width, generator=gen), dim=1)
     right = torch.nn.functional.normalize(torch.randn(n, width, generator=gen), dim=1)
@@ -73,14 +78,7 @@ def _cases(gen: torch.Generator) -> dict:
     tile_b16 = tile_b.bfloat16()  # the same tile from a bf16 search (matmul_precision bf16: CPUs with bf16 units)
     # one pass of the triple view's sums at 4x YAGO-WIKI50K size with the default widths: 3,853,631 tuples over
     # 393,726 tails into 353,376 rows, a block of 10 projections of width 8 (z is 126 MB: its rows come from memory)
-    n4, tails4, tuples4, d4, m4 = 353_376, 393_726, 3_853_631, 10, 8
-    deg4 = torch.multinomial(torch.ones(n4), tuples4, replacement=True, generator=gen).bincount(minlength=n4)
-    crow4 = torch.zeros(n4 + 1, dtype=torch.long)
-    crow4[1:] = deg4.cumsum(0)
-    col4 = torch.randint(0, tails4, (tuples4,), generator=gen)
-    w4 = torch.randn(tuples4, d4, generator=gen)
-    z4 = torch.randn(tails4, d4 * m4, generator=gen)
-    out4 = torch.empty(n4, d4 * m4)
+    sums_4x = _segment_sum_operands(gen, 353_376, 393_726, 3_853_631, 10, 8)
 
     def merge_later_tile(native: bool) -> None:
         topk_merge_(tile_b, tile_cols, held_v.clone(), held_i.clone(), native=native)
@@ -89,12 +87,11 @@ def _cases(gen: torch.Generator) -> dict:
         topk_merge_(tile_b16, tile_cols, held_v.clone(), held_i.clone(), native=native)
 
     return {
-        "triple_view_sums (weighted_segment_sum)": lambda native: weighted_segment_sum(crow, col, w, z, m, out,
-                                                                                       native=native),
+        "triple_view_sums (weighted_segment_sum)": lambda native: weighted_segment_sum(*sums_20k, native=native),
         "triple_view_sums, one 4x-size pass (weighted_segment_sum)": lambda native: weighted_segment_sum(
-            crow4, col4, w4, z4, m4, out4, native=native),
-        "the same pass, native without prefetch": lambda native: weighted_segment_sum(
-            crow4, col4, w4, z4, m4, out4, native=native, prefetch=0),
+            *sums_4x, native=native, prefetch=4),
+        "the same pass, native without prefetch": lambda native: weighted_segment_sum(*sums_4x, native=native,
+                                                                                      prefetch=0),
         "rescore fp32 rows (gathered_dot)": lambda native: gathered_dot(left, right, index, native=native),
         "rescore fp16 rows (gathered_dot)": lambda native: gathered_dot(left, right.half(), index, native=native),
         "top-500 of a 2048-row block (topk_rows)": lambda native: topk_rows(sims, 500, native=native),
