@@ -73,8 +73,8 @@ def test_weighted_segment_sum_matches_the_per_projection_csr_products(native):
 
 
 def test_weighted_segment_sum_prefetch_distance_does_not_change_the_sums(native):
-    # prefetching only asks for rows early: every distance (off, 1, the default, past the last tuple) gives the same
-    # bits, with rows of several cache lines and a z row stride wider than the row
+    # prefetching only asks for rows early: every distance (0, the default; 1; 4; 8; past the last tuple) gives the
+    # same bits, with rows of several cache lines and a z row stride wider than the row
     gen = torch.Generator().manual_seed(2)
     n, tails, d, m = 64, 200, 5, 8
     crow, col = _csr(n, tails, [int(x) for x in torch.randint(0, 9, (n,), generator=gen)], gen)
