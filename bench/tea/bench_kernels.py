@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                       "iqr_overlap": not (ours["q3"] < torch_path["q1"] or torch_path["q3"] < ours["q1"])}
     pf, no_pf = (rows["triple_view_sums, one 4x-size pass (weighted_segment_sum)"],
                  rows["the same pass, native without prefetch"])
-    record = {"benchmark": "tea_pipeline native kernels vs PyTorch paths (per call, YAGO-WIKI20K shapes)",
+    record = {"benchmark": "tea_pipeline native kernels vs PyTorch paths (per call; YAGO-WIKI20K shapes "
+                           "unless a line names another size)",
               "summary": {"speedup": {k: v["speedup"] for k, v in rows.items()},
                           "all_at_least_1_5x": all(v["speedup"] >= 1.5 for v in rows.values()),
                           # the row prefetch of weighted_segment_sum: the same kernel with it off / on
