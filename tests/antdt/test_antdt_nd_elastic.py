@@ -25,10 +25,18 @@ from harness import run_elastic_job  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 HOGS = 3  # co-tenants on the slow node's core: the worker gets about a quarter of it (less when the host is busy)
-# Per step: 2000 work units (~30 ms alone) whatever the batch (the part a slow node imposes on every step however
-# little data it gets) and 40 (~0.6 ms) per sample, so evicting a 3x slow node beats absorbing it (see
-# test_antdt_nd.py for the break-even).
-WORK = ["--step-work", "2000", "--sample-work", "40"]
+# Per step, in CPU time on a core alone: 30 ms whatever the batch (the part a slow node imposes on every step however
+# little data it gets) and 0.6 ms per sample, so evicting a 3x slow node beats absorbing it (see test_antdt_nd.py
+# for the break-even). Work units are calibrated to those times on this host, because a unit (a 96x96 matmul) costs
+# several times more on some CPUs than on others, and fixed unit counts made the jobs that much longer there.
+STEP_S, SAMPLE_S = 0.030, 0.0006
+
+
+@pytest.fixture(scope="module")
+def work() -> list[str]:
+    """``--step-work``/``--sample-work`` for `STEP_S`/`SAMPLE_S` on the fast node's core, probed alone."""
+    rate = _probe_rate([_need_cluster()[0]], 1.0)  # work units per second
+    return ["--step-work", str(max(1, round(rate * STEP_S))), "--sample-work", str(max(1, round(rate * SAMPLE_S)))]
 
 
 def _need_cluster() -> list[int]:
@@ -85,13 +93,13 @@ def _assert_exactly_once(res) -> None:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("service_fault", ["none", "sigkill_during_reformation"])
-def test_persistently_slow_node_is_evicted_and_the_job_finishes_on_the_others(tmp_path, service_fault):
+def test_persistently_slow_node_is_evicted_and_the_job_finishes_on_the_others(tmp_path, service_fault, work):
     cpus = _need_cluster()
     nodes = [Node("n0", [cpus[0]]), Node("n1", [cpus[1]], hogs=HOGS)]
     job = JobConfig(dataset_size=2400, shard_size=16, world_size=2, global_batch_size=16, lease_ttl_s=10.0)
     mcfg, ccfg = _nd_config()
-    res = run_elastic_job(tmp_path, nodes, job, mcfg, ccfg, WORK, min_nodes=1, max_restarts=2, timeout_s=200,
-                          kill_service_on_eviction=service_fault != "none")
+    res = run_elastic_job(tmp_path, nodes, job, mcfg, ccfg, work, min_nodes=1, max_restarts=2, timeout_s=200,
+                          kill_service_on_eviction=service_fault != "none", gang_start=True)
     assert res.finished, f"{res.events}\n{res.log()}"
     assert res.agents["n0"].returncode == 0, res.log()
     # the evicted node's worker stopped its own agent: it left the rendezvous and was not restarted
@@ -117,7 +125,8 @@ def test_persistently_slow_node_is_evicted_and_the_job_finishes_on_the_others(tm
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("rdzv_backend", ["c10d", "antdt"])
-def test_a_spare_joins_after_the_eviction_and_takes_work_and_the_evicted_node_cannot_rejoin(tmp_path, rdzv_backend):
+def test_a_spare_joins_after_the_eviction_and_takes_work_and_the_evicted_node_cannot_rejoin(tmp_path, rdzv_backend,
+                                                                                             work):
     """After node n1 is evicted the job runs on n0 alone; then a spare (n2) and the evicted n1 start agents. The
     spare's arrival re-forms the job (torchrun restarts n0's worker for the membership change). Under c10d, a round
     that holds n1 is refused by the service (blacklisted), n1's worker stops its agent, and the job re-forms once
@@ -127,8 +136,9 @@ def test_a_spare_joins_after_the_eviction_and_takes_work_and_the_evicted_node_ca
     spare, rejoin = Node("n2", [cpus[1]]), Node("n1", [cpus[1]])
     job = JobConfig(dataset_size=3200, shard_size=16, world_size=3, global_batch_size=16, lease_ttl_s=10.0)
     mcfg, ccfg = _nd_config()
-    res = run_elastic_job(tmp_path, nodes, job, mcfg, ccfg, WORK, min_nodes=1, max_nodes=3, max_restarts=4,
-                          timeout_s=260, after_eviction=[spare, rejoin], rdzv_backend=rdzv_backend)
+    res = run_elastic_job(tmp_path, nodes, job, mcfg, ccfg, work, min_nodes=1, max_nodes=3, max_restarts=4,
+                          timeout_s=260, after_eviction=[spare, rejoin], rdzv_backend=rdzv_backend,
+                          gang_start=True)
     assert res.finished, f"{res.events}\n{res.log()}"
     assert list(res.status["blacklist"]) == ["n1"], res.status
     others = res.agents["n0"].log + res.agents["n2"].log
