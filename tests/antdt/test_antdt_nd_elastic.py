@@ -134,7 +134,9 @@ def test_a_spare_joins_after_the_eviction_and_takes_work_and_the_evicted_node_ca
     cpus = _need_cluster()
     nodes = [Node("n0", [cpus[0]]), Node("n1", [cpus[1]], hogs=HOGS)]
     spare, rejoin = Node("n2", [cpus[1]]), Node("n1", [cpus[1]])
-    job = JobConfig(dataset_size=3200, shard_size=16, world_size=3, global_batch_size=16, lease_ttl_s=10.0)
+    # n0 alone must not finish before the spare's agent has started and joined: about 15 s of its work at the
+    # calibrated step time, whatever the host
+    job = JobConfig(dataset_size=4800, shard_size=16, world_size=3, global_batch_size=16, lease_ttl_s=10.0)
     mcfg, ccfg = _nd_config()
     res = run_elastic_job(tmp_path, nodes, job, mcfg, ccfg, work, min_nodes=1, max_nodes=3, max_restarts=4,
                           timeout_s=260, after_eviction=[spare, rejoin], rdzv_backend=rdzv_backend,
