@@ -27,8 +27,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 HOGS = 3  # co-tenants on the slow node's core: the worker gets about a quarter of it (less when the host is busy)
 # Per step, in CPU time on a core alone: 30 ms whatever the batch (the part a slow node imposes on every step however
 # little data it gets) and 0.6 ms per sample, so evicting a 3x slow node beats absorbing it (see test_antdt_nd.py
-# for the break-even). Work units are calibrated to those times on this host, because a unit (a 96x96 matmul) costs
-# several times more on some CPUs than on others, and fixed unit counts made the jobs that much longer there.
+# for the break-even). Work units are calibrated to those times on the host that runs the tests, because a unit's
+# cost (a 96x96 matmul) depends on the CPU: the fixed 2,000 units used before, written down as about 30 ms, took
+# 188 ms on a Zen 3 EPYC, which made every step there about 6x the work meant.
 STEP_S, SAMPLE_S = 0.030, 0.0006
 
 
@@ -134,8 +135,8 @@ def test_a_spare_joins_after_the_eviction_and_takes_work_and_the_evicted_node_ca
     cpus = _need_cluster()
     nodes = [Node("n0", [cpus[0]]), Node("n1", [cpus[1]], hogs=HOGS)]
     spare, rejoin = Node("n2", [cpus[1]]), Node("n1", [cpus[1]])
-    # n0 alone must not finish before the spare's agent has started and joined: about 15 s of its work at the
-    # calibrated step time, whatever the host
+    # n0 alone must not finish before the spare's agent has started and joined: about 16 s of its work at the
+    # calibrated step time, whatever the host (it did 284 samples/s alone on a Zen 3 EPYC)
     job = JobConfig(dataset_size=4800, shard_size=16, world_size=3, global_batch_size=16, lease_ttl_s=10.0)
     mcfg, ccfg = _nd_config()
     res = run_elastic_job(tmp_path, nodes, job, mcfg, ccfg, work, min_nodes=1, max_nodes=3, max_restarts=4,
