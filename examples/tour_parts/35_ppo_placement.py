@@ -32,7 +32,7 @@ def _run(rank: int, world: int, output_dir: str) -> dict:
             response_length=6, learning_rate=3e-3, total_episodes=4 * world * 2, bf16=False, report_to="none",
             disable_tqdm=True, temperature=1.0, num_sample_generations=0, save_strategy="no",
             gradient_checkpointing=False, seed=5, stop_token="eos", loss_normalization="mini_batch",
-            num_mini_batches=2, placement_timeout_s=120,
+            num_mini_batches=2, placement_timeout_s=120, use_cpu=True,  # gloo ranks on a CPU host
         )
         trainer = PPOTrainer(
             args, tok, tiny_causal_lm(len(tok), 0), None, TargetTokenRewardModel(tok.convert_tokens_to_ids("z")),

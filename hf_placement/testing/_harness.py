@@ -24,7 +24,11 @@ if __name__ == "__main__":
 ```
 
 The function must be importable by the child processes (defined at module level), because ranks are started with the
-``spawn`` method: fork is unsafe once torch has started threads.
+``spawn`` method by default: fork is unsafe once torch has started threads. A spawned rank imports its modules afresh
+(torch and transformers take seconds). A process that starts many short runs, such as a test session, can call
+``set_start_method("forkserver", preload=[...])`` once: a server process imports the listed modules once, before any
+thread work, and every later rank is forked from it. The setting is this process's alone; the processes it starts
+keep the default. Either way a rank sees the caller's environment as it is at the call.
 """
 
 from __future__ import annotations
@@ -41,7 +45,10 @@ from typing import Any
 
 from ..lifecycle import release_process_groups
 
-__all__ = ["RankError", "RankTimeoutError", "find_free_port", "run_distributed"]
+__all__ = ["RankError", "RankTimeoutError", "find_free_port", "run_distributed", "set_start_method"]
+
+_START_METHODS = ("spawn", "forkserver")
+_default_start_method = "spawn"
 
 
 class RankError(RuntimeError):
@@ -74,10 +81,37 @@ def find_free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _check_start_method(method: str) -> str:
+    if method not in _START_METHODS:
+        raise ValueError(f"start method {method!r} is not one of {_START_METHODS}: ranks are started with spawn, "
+                         "or forked from a fork server.")
+    return method
+
+
+def set_start_method(method: str, preload: Sequence[str] = ()) -> None:
+    """This process's default way of starting `run_distributed` ranks.
+
+    Args:
+        method (`str`): `"spawn"` (the default: every rank a fresh interpreter) or `"forkserver"` (ranks forked from
+            one server process, which imports ``preload`` once).
+        preload (`Sequence[str]`, *optional*): modules the fork server imports when it starts, which happens at the
+            first forkserver run of this process; later calls cannot change what a running server holds. A module
+            that fails to import there is imported by each rank as usual.
+    """
+    global _default_start_method
+    _default_start_method = _check_start_method(method)
+    if method == "forkserver" and preload:
+        mp.get_context("forkserver").set_forkserver_preload(list(preload))
+
+
 def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, backend: str,
-               collective_timeout: float, threads: int, env: dict[str, str], args: tuple, kwargs: dict,
-               results: Any) -> None:
+               collective_timeout: float, threads: int, caller_env: dict[str, str], env: dict[str, str],
+               args: tuple, kwargs: dict, results: Any) -> None:
     try:
+        # A forked-from-server rank starts with the server's environment, not the caller's: restore the caller's.
+        if os.environ != caller_env:
+            os.environ.clear()
+            os.environ.update(caller_env)
         os.environ.update(env)
         # one "node" by default; env={"LOCAL_WORLD_SIZE": "2"} emulates nodes of 2 ranks (as torchrun would set it)
         local = int(env.get("LOCAL_WORLD_SIZE", world_size))
@@ -148,6 +182,7 @@ def run_distributed(
     backend: str = "gloo",
     threads_per_rank: int = 1,
     env: dict[str, str] | None = None,
+    start_method: str | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes joined in one process group.
@@ -163,6 +198,8 @@ def run_distributed(
         threads_per_rank (`int`, *optional*, defaults to 1): `torch.set_num_threads` in each rank, so N ranks do not
             oversubscribe a small machine.
         env (`dict`, *optional*): extra environment variables for the ranks.
+        start_method (`str`, *optional*): `"spawn"` or `"forkserver"` (see `set_start_method`); defaults to this
+            process's default, `"spawn"` unless `set_start_method` changed it.
 
     Returns:
         `list`: the return values, indexed by rank.
@@ -175,15 +212,15 @@ def run_distributed(
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}.")
     if timeout <= 0:
         raise ValueError(f"timeout must be positive, got {timeout}.")
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(_check_start_method(start_method or _default_start_method))
     results = ctx.Queue()
     port = find_free_port()
     coll_timeout = float(collective_timeout if collective_timeout is not None else timeout)
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, rank, world_size, port, backend, coll_timeout, threads_per_rank, dict(env or {}), args, kwargs,
-                  results),
+            args=(fn, rank, world_size, port, backend, coll_timeout, threads_per_rank, dict(os.environ),
+                  dict(env or {}), args, kwargs, results),
             name=f"rank{rank}",
             daemon=True,
         )

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from hf_placement import GroupLayout, RankError, RankTimeoutError, build_topology, run_distributed
+from hf_placement.testing import set_start_method
 
 pytestmark = pytest.mark.distributed
 
@@ -132,6 +133,29 @@ def test_rank_that_dies_without_python_error() -> None:
         run_distributed(_exit_hard, 2, timeout=60)
     assert info.value.rank == 1
     assert "code 3" in str(info.value)
+
+
+def _environment(rank: int, world: int) -> dict[str, str | None]:
+    return {k: os.environ.get(k) for k in ("HFSP_HARNESS_PROBE", "HFSP_HARNESS_GONE", "HFSP_HARNESS_EXTRA")}
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_ranks_see_the_callers_environment_at_the_call(method: str, monkeypatch) -> None:
+    """A forkserver rank forks from a server started earlier, with the environment of that moment; the harness must
+    still give each rank the caller's environment as it is at the call (variables set and removed since)."""
+    monkeypatch.setenv("HFSP_HARNESS_GONE", "before")
+    run_distributed(_environment, 1, timeout=120, start_method=method)  # starts the fork server with GONE set
+    monkeypatch.setenv("HFSP_HARNESS_PROBE", "now")
+    monkeypatch.delenv("HFSP_HARNESS_GONE")
+    got = run_distributed(_environment, 2, timeout=120, start_method=method, env={"HFSP_HARNESS_EXTRA": "x"})
+    assert got == [{"HFSP_HARNESS_PROBE": "now", "HFSP_HARNESS_GONE": None, "HFSP_HARNESS_EXTRA": "x"}] * 2
+
+
+def test_unknown_start_method_is_named() -> None:
+    with pytest.raises(ValueError, match="'fork' is not one of"):
+        run_distributed(_environment, 2, timeout=30, start_method="fork")
+    with pytest.raises(ValueError, match="'fork' is not one of"):
+        set_start_method("fork")
 
 
 def test_layout_validation() -> None:
