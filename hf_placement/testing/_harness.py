@@ -96,7 +96,9 @@ def set_start_method(method: str, preload: Sequence[str] = ()) -> None:
             one server process, which imports ``preload`` once).
         preload (`Sequence[str]`, *optional*): modules the fork server imports when it starts, which happens at the
             first forkserver run of this process; later calls cannot change what a running server holds. A module
-            that fails to import there is imported by each rank as usual.
+            that fails to import there is imported by each rank as usual. Ranks get the caller's environment, but a
+            variable that a preloaded module reads only when it is imported keeps the value it had when the server
+            started.
     """
     global _default_start_method
     _default_start_method = _check_start_method(method)
