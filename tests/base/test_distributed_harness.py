@@ -144,7 +144,7 @@ def test_ranks_see_the_callers_environment_at_the_call(method: str, monkeypatch)
     """A forkserver rank forks from a server started earlier, with the environment of that moment; the harness must
     still give each rank the caller's environment as it is at the call (variables set and removed since)."""
     monkeypatch.setenv("HFSP_HARNESS_GONE", "before")
-    run_distributed(_environment, 1, timeout=120, start_method=method)  # starts the fork server with GONE set
+    run_distributed(_environment, 1, timeout=120, start_method=method)  # a fork server runs from here on
     monkeypatch.setenv("HFSP_HARNESS_PROBE", "now")
     monkeypatch.delenv("HFSP_HARNESS_GONE")
     got = run_distributed(_environment, 2, timeout=120, start_method=method, env={"HFSP_HARNESS_EXTRA": "x"})
