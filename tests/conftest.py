@@ -1,7 +1,7 @@
 """Suite-wide settings.
 
-The suite starts a few hundred short `run_distributed` jobs. Spawned ranks would each import torch, transformers and
-our packages afresh (seconds per rank on 2 cores); here they fork from one server process that imported them once
+Many tests run short `run_distributed` jobs. Spawned ranks would each import torch, transformers and our packages
+afresh (seconds per rank); here they fork from one server process that imported them once
 (`hf_placement.testing.set_start_method`). The setting holds in the pytest process only: scripts, launchers and
 notebook kernels that tests start keep the default. ``HFSP_TEST_START_METHOD=spawn bash scripts/test.sh`` runs the
 suite with the default.
