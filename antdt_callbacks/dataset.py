@@ -106,6 +106,15 @@ def _dist_ready() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def _control_device() -> torch.device:
+    """Where the stop-together counts travel: the CPU when the default group's backend has a CPU transport (gloo, or
+    ``cpu:gloo,cuda:nccl``), else the current CUDA device (NCCL alone, as `transformers.Trainer` sets it up on GPUs)."""
+    config = str(dist.get_backend_config())
+    if "cpu:" in config or ":" not in config:
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 class ServiceIterableDataset(IterableDataset):
     """Yields per-rank batches of ``dataset`` samples whose ids come from the sharding service.
 
@@ -382,7 +391,8 @@ class ServiceIterableDataset(IterableDataset):
         ids, items, at_end = self._take(self.batch_size)
         p = _Pending(ids, items, at_end, self.restart_requested or self.preempted)
         if self.sync:
-            p.tensor = torch.tensor([len(ids), int(at_end), int(p.restart)], dtype=torch.int64)
+            p.tensor = torch.tensor([len(ids), int(at_end), int(p.restart)], dtype=torch.int64,
+                                    device=_control_device())
             p.work = dist.all_reduce(p.tensor, async_op=True)
         p.wait_s = self.wait_s - wait0
         p.fetch_s = time.perf_counter() - t0

@@ -32,7 +32,7 @@ def check_ids_in_range(ids: torch.Tensor, vocab_sizes: list[int], names: list[st
         return
     flat = ids.reshape(-1, ids.shape[-1])
     lo, hi = flat.amin(0), flat.amax(0)
-    sizes = torch.tensor(vocab_sizes, dtype=flat.dtype)
+    sizes = torch.tensor(vocab_sizes, dtype=flat.dtype, device=flat.device)
     bad = ((lo < 0) | (hi >= sizes)).nonzero().flatten().tolist()
     if bad:
         f = bad[0]

@@ -147,7 +147,7 @@ class RowShardedEmbeddingCollection(nn.Module):
     @torch.no_grad()
     def gather_full_weight(self) -> torch.Tensor:
         """The unsharded ``[R, d]`` table on every rank (for checks and checkpoints; costs a full all-gather)."""
-        padded = torch.zeros(self.rows_per_rank, self.embedding_dim, dtype=self.local_weight.dtype)
+        padded = self.local_weight.new_zeros(self.rows_per_rank, self.embedding_dim)
         padded[: self.local_weight.shape[0]] = self.local_weight
         out = [torch.empty_like(padded) for _ in range(self.world)]
         dist.all_gather(out, padded, group=self.group)

@@ -256,8 +256,9 @@ class MetaTrainer(Trainer):
         # Global norm = dense part (identical on every rank after DDP) + shards (disjoint rows, summed over ranks);
         # the clip factor is then the same on every rank, as in a single process.
         dense = [p for p in learner.parameters() if p.grad is not None and not getattr(p, "_gmeta_sharded", False)]
-        dense_sq = sum((_squared_norm(p.grad) for p in dense), torch.zeros(()))
-        shard_sq = sum((_squared_norm(p.grad) for p in sharded if p.grad is not None), torch.zeros(()))
+        device = sharded[0].device  # where the shards live is where the collective below runs
+        dense_sq = sum((_squared_norm(p.grad) for p in dense), torch.zeros((), device=device))
+        shard_sq = sum((_squared_norm(p.grad) for p in sharded if p.grad is not None), torch.zeros((), device=device))
         dist.all_reduce(shard_sq)
         total = (dense_sq + shard_sq).sqrt()
         coef = torch.clamp(self.args.max_grad_norm / (total + 1e-6), max=1.0)

@@ -21,10 +21,12 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["GroupLayout", "Topology", "all_gather_single", "build_topology", "new_process_groups",
-           "reduce_scatter_single", "DEFAULT_GROUP_TIMEOUT_S"]
+__all__ = ["GroupLayout", "Topology", "all_gather_single", "backend_device_types", "build_topology",
+           "check_collective_device", "collective_device", "new_process_groups", "reduce_scatter_single",
+           "DEFAULT_GROUP_TIMEOUT_S"]
 
 DEFAULT_GROUP_TIMEOUT_S = 600.0
 
@@ -34,6 +36,52 @@ logger = logging.getLogger(__name__)
 # old ones: the base picks the name once, for every package that runs collectives on its groups.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _backend_map(group: dist.ProcessGroup | None) -> dict[str, str]:
+    config = str(dist.get_backend_config(group))
+    pairs = (part.split(":", 1) for part in config.split(",") if ":" in part)
+    return {kind.strip(): backend.strip() for kind, backend in pairs}
+
+
+def backend_device_types(group: dist.ProcessGroup | None = None) -> tuple[str, ...]:
+    """Device types whose tensors ``group``'s backend communicates, from its backend config: ``("cpu", "cuda")``
+    for gloo, ``("cuda",)`` for NCCL alone, both for ``"cpu:gloo,cuda:nccl"``."""
+    return tuple(_backend_map(group))
+
+
+def collective_device(group: dist.ProcessGroup | None = None, *, accelerator_first: bool = False) -> torch.device:
+    """Where to make a tensor that only travels through ``group``.
+
+    For a flag, a count or a norm (the default): the CPU when the backend has a CPU transport (gloo, or a
+    ``cpu:gloo,cuda:nccl`` pair), else the current device of the accelerator it serves (``cuda:<current>`` under
+    NCCL). The same code then runs on gloo CPU ranks and on NCCL GPU ranks. ``accelerator_first=True`` (a bandwidth
+    probe, which should cross the links training will use): the accelerator of a non-gloo backend (NCCL's GPUs) even
+    where gloo also carries CPU tensors."""
+    mapping = _backend_map(group)
+    if accelerator_first:
+        for kind, backend in mapping.items():
+            if kind != "cpu" and backend != "gloo":
+                return _current(kind)
+    if not mapping or "cpu" in mapping:
+        return torch.device("cpu")
+    return _current(next(iter(mapping)))
+
+
+def _current(kind: str) -> torch.device:
+    current = getattr(getattr(torch, kind, None), "current_device", None)
+    return torch.device(kind, current()) if callable(current) else torch.device(kind)
+
+
+def check_collective_device(device: torch.device, group: dist.ProcessGroup | None, what: str) -> None:
+    """Raise a `ValueError` naming ``what`` when ``group``'s backend cannot communicate tensors on ``device`` (a
+    model left on the CPU under NCCL), before the first collective fails with a backend error."""
+    types = backend_device_types(group)
+    if types and torch.device(device).type not in types:
+        raise ValueError(f"{what} is on {device}, but the process group's backend ({dist.get_backend_config(group)}) "
+                         f"communicates only {', '.join(types)} tensors: move it to the device of this rank first "
+                         "(e.g. model.to(accelerator.device) or model.to(f'cuda:{LOCAL_RANK}')), or initialise the "
+                         "process group with a backend for that device (gloo for CPU).")
 
 
 @dataclass(frozen=True)

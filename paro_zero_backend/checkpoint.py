@@ -181,7 +181,7 @@ def _consolidated_optimizer(engine: ParoEngine) -> dict[str, torch.Tensor]:
         for name, v in part.items():
             merged[name] = max(merged.get(name, float("-inf")), v)
     for name, v in merged.items():
-        out[name] = torch.tensor(v, dtype=torch.float32)
+        out[name] = torch.tensor(v, dtype=torch.float32, device="cpu")  # for the file
     return out
 
 
@@ -229,15 +229,21 @@ def load_consolidated(engine: ParoEngine, directory: str) -> None:
         for key, value in optim.items():
             name, _, state_key = key.partition("::")
             by_param.setdefault(name, {})[state_key] = value
+        # through the optimizer's own load_state_dict, which puts each state where its parameter lives (the file is
+        # read to the CPU; on GPU ranks the shard pieces are on the GPU) and keeps Adam's `step` where it belongs
+        index = {id(t): i for i, t in enumerate(t for g in engine.optimizer.param_groups for t in g["params"])}
+        state: dict[int, dict[str, torch.Tensor]] = {}
         for piece in engine.shard_pieces():
             saved = by_param.get(piece.name, {})
-            state = {k: v.clone() if v.dim() == 0 else v.reshape(-1)[piece.start:piece.stop].clone()
-                     for k, v in saved.items()}
-            if state:
-                engine.optimizer.state[piece.tensor] = state
+            piece_state = {k: v.clone() if v.dim() == 0 else v.reshape(-1)[piece.start:piece.stop].clone()
+                           for k, v in saved.items()}
+            if piece_state:
+                state[index[id(piece.tensor)]] = piece_state
         with safe_open(optim_path, framework="pt") as f:
             groups = json.loads(f.metadata()["param_groups"])
-        for group, saved_group in zip(engine.optimizer.param_groups, groups):
-            for k, v in saved_group.items():
-                group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
+        current = engine.optimizer.state_dict()["param_groups"]
+        merged = [{**cur, **{k: tuple(v) if isinstance(cur.get(k), tuple) else v
+                             for k, v in saved_group.items() if k != "params"}}
+                  for cur, saved_group in zip(current, groups)]
+        engine.optimizer.load_state_dict({"state": state, "param_groups": merged})
     dist.barrier(group=engine.topology.world_group)

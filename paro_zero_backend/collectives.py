@@ -130,9 +130,8 @@ class _Comm:
         self.inter = topology.inter_group
         self.world = topology.world_group
         i, j = topology.group_index, topology.local_index
-        # Device-major: rank r=(i, j) owns block j*ng + i. perm[r] is the device-major index of rank r's block.
-        self.perm = torch.tensor([(r % self.m) * self.ng + r // self.m for r in range(self.n)])
-        self.identity_perm = bool(torch.equal(self.perm, torch.arange(self.n)))
+        # Device-major: rank r=(i, j) owns block j*ng + i; with m == 1 or ng == 1 that is block r (no reordering).
+        self.identity_perm = all((r % self.m) * self.ng + r // self.m == r for r in range(self.n))
         self.block_index = j * self.ng + i
         self._ops = {(Op.ALL_GATHER, Span.INTRA): self.ag_intra, (Op.ALL_GATHER, Span.INTER): self.ag_inter,
                      (Op.ALL_GATHER, Span.GLOBAL): self.ag_global, (Op.REDUCE_SCATTER, Span.INTRA): self.rs_intra,
@@ -160,7 +159,7 @@ class _Comm:
 
     # --- one-level collectives -------------------------------------------------------------------------------
     def _all_gather(self, x: torch.Tensor, group, k: int, link: str, async_op: bool = False):
-        out = torch.empty(x.numel() * k, dtype=x.dtype)
+        out = x.new_empty(x.numel() * k)
         if k == 1:
             out.copy_(x)
             return (out, None) if async_op else out
@@ -174,7 +173,7 @@ class _Comm:
         if x.numel() % k:
             raise ValueError(f"reduce-scatter input of {x.numel()} elements is not divisible by the group size {k}; "
                              "pad flat buffers to a multiple of the world size.")
-        out = torch.empty(x.numel() // k, dtype=x.dtype)
+        out = x.new_empty(x.numel() // k)
         self.counter.add(link, (k - 1) * out.numel() * x.element_size())
         _reduce_scatter_single(out, x.contiguous(), op=dist.ReduceOp.SUM, group=group)
         return out
@@ -339,7 +338,7 @@ def hierarchical_all_gather_coalesced(xs: Sequence[torch.Tensor], topology, *, o
     outs = comm.ag_global_coalesced([x.reshape(-1) for x in xs])
     if order == "rank" and not comm.identity_perm:
         outs = [device_to_rank_order(o, comm.n, comm.m) for o in outs]
-    total = _result(outs[0] if outs else torch.empty(0), local, dict.fromkeys(LINKS, 0), counter)
+    total = _result(outs[0] if outs else torch.empty(0, device='cpu'), local, dict.fromkeys(LINKS, 0), counter)
     return [CollectiveResult(o, total.intra_bytes if k == 0 else 0, total.inter_bytes if k == 0 else 0, 0)
             for k, o in enumerate(outs)]
 

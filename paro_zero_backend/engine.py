@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hf_placement import Topology, build_topology
+from hf_placement import Topology, build_topology, check_collective_device, collective_device
 from hf_placement.partition import Level, Strategy, parse_strategy
 from hf_placement.partition.schedule import gather_to_full, schedule_for, shard_span, slice_range
 
@@ -123,6 +123,7 @@ class ParoEngine(nn.Module):
                              "paro_zero_backend.resolve_strategy(config, model, topology).config (the integrations "
                              "ParoAccelerator and deepspeed_initialize do this for you).")
         self.topology = self._check_topology(topology)
+        self.device = self._model_device(model)
         self.rank, self.world_size, self.group_size = (self.topology.rank, self.topology.world_size,
                                                        self.topology.group_size)
         self.strategy: Strategy = parse_strategy(self.config.strategy)
@@ -143,7 +144,7 @@ class ParoEngine(nn.Module):
             raise ValueError("optimizer=None builds an inference-only engine, but the model has trainable parameters "
                              f"(e.g. {next(s.name for s in self.slots if s.trainable)!r}). Pass the optimizer, or "
                              "freeze the model first (model.requires_grad_(False)) to shard it for inference.")
-        self._empty = torch.empty(0, dtype=self.compute_dtype)
+        self._empty = torch.empty(0, dtype=self.compute_dtype, device=self.device)
         self._init_storage()
         self.optimizer: torch.optim.Optimizer | None = None if optimizer is None else rebuild_optimizer(
             optimizer, set(self._slot_by_param),
@@ -182,6 +183,22 @@ class ParoEngine(nn.Module):
                              f"{topology.group_size}; leave config.group_size unset to use the topology's.")
         return topology
 
+    def _model_device(self, model: nn.Module) -> torch.device:
+        """The one device of the model's parameters: every flat buffer, gathered copy and control scalar lives there,
+        so the engine runs on gloo CPU ranks and on NCCL GPU ranks alike."""
+        devices = {p.device for p in model.parameters()}
+        if not devices:
+            return collective_device(self.topology.world_group)
+        if len(devices) > 1:
+            raise ValueError(f"ParoEngine needs the whole model on one device, but its parameters are on "
+                             f"{sorted(map(str, devices))}: move it first (model.to(device)); the engine shards it.")
+        (device,) = devices
+        if device.type == "meta":
+            raise ValueError("the model's parameters are on the meta device (not materialised): build or load its "
+                             "weights (e.g. model.to_empty(device=...) and initialise them) before the engine.")
+        check_collective_device(device, self.topology.world_group, "the model")
+        return device
+
     def _slice(self, level: Level, b: Bucket) -> tuple[int, int]:
         return slice_range(level, b.size, self.world_size, self.group_size, self.rank)
 
@@ -189,7 +206,7 @@ class ParoEngine(nn.Module):
         st = self.strategy
         src = self.topology.global_rank(0)
         for b in self.buckets:
-            full = torch.zeros(b.size, dtype=torch.float32)
+            full = torch.zeros(b.size, dtype=torch.float32, device=self.device)
             for s in b.slots:
                 full[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
             # identical start on every member (not counted: set-up, not a training step)
@@ -201,7 +218,7 @@ class ParoEngine(nn.Module):
                 assert plo <= lo and hi <= phi, "the os slice lies inside the p slice (os is at least as fine as p)"
                 b.master = b.p_store[lo - plo:hi - plo] if self._master_is_param else full[lo:hi].clone()
                 glo, ghi = self._slice(st.g, b)
-                b.g_acc = torch.zeros(ghi - glo, dtype=self.grad_dtype)
+                b.g_acc = torch.zeros(ghi - glo, dtype=self.grad_dtype, device=self.device)
                 for s in b.slots:
                     a, z = max(lo, s.offset), min(hi, s.offset + s.numel)
                     if a < z:
@@ -273,7 +290,7 @@ class ParoEngine(nn.Module):
             b.g_acc[slot.offset:slot.offset + slot.numel].add_(flat)
         else:
             if b.g_tmp is None:
-                b.g_tmp = torch.zeros(b.size, dtype=self.grad_dtype)
+                b.g_tmp = torch.zeros(b.size, dtype=self.grad_dtype, device=self.device)
             b.g_tmp[slot.offset:slot.offset + slot.numel].copy_(flat)
         b.arrived += 1
         if b.arrived == b.num_trainable:
@@ -287,7 +304,7 @@ class ParoEngine(nn.Module):
         phase = self.schedule.gradient
         if not phase.collectives:
             return
-        tmp = b.g_tmp if b.g_tmp is not None else torch.zeros(b.size, dtype=self.grad_dtype)
+        tmp = b.g_tmp if b.g_tmp is not None else torch.zeros(b.size, dtype=self.grad_dtype, device=self.device)
         with self.counter.term(phase.term):
             b.g_acc.add_(self._comm.run(phase.collectives, tmp))
         b.g_tmp = None
@@ -424,7 +441,7 @@ class ParoEngine(nn.Module):
         self._check_grads_ready("clip_grad_norm_")
         if float(norm_type) != 2.0:
             raise NotImplementedError(f"norm_type={norm_type} is not supported; PaRO clips the 2-norm.")
-        sq = torch.zeros(1, dtype=torch.float64)
+        sq = torch.zeros(1, dtype=torch.float64, device=self.device)
         for b in self.buckets:
             if b.trainable:
                 sq += b.master_grad.double().pow(2).sum()
@@ -440,7 +457,7 @@ class ParoEngine(nn.Module):
         return total[0]
 
     def _found_inf(self) -> bool:
-        flag = torch.zeros(1)
+        flag = torch.zeros(1, device=self.device)
         for b in self.buckets:
             if b.trainable and not torch.isfinite(b.master_grad).all():
                 flag.fill_(1.0)
@@ -560,7 +577,7 @@ class ParoEngine(nn.Module):
                     continue
                 if piece_values is not None:
                     lo, _ = self._slice(self.strategy.os, b)
-                    flat = torch.zeros(b.master.numel(), dtype=torch.float32)
+                    flat = torch.zeros(b.master.numel(), dtype=torch.float32, device=self.device)
                     for s, a, z, piece in b.pieces:
                         value = piece_values(ShardPiece(s.name, s.shape, a - s.offset, z - s.offset, piece))
                         if value is not None:
@@ -577,7 +594,7 @@ class ParoEngine(nn.Module):
         """Set every parameter from its full value (``values`` by parameter name, e.g. a consolidated checkpoint):
         this rank keeps its p and os slices. Local; every rank must load the same values."""
         for b in self.buckets:
-            full = torch.zeros(b.size, dtype=torch.float32)
+            full = torch.zeros(b.size, dtype=torch.float32, device=self.device)
             for s in b.slots:
                 full[s.offset:s.offset + s.numel].copy_(values[s.name].reshape(-1))
             lo, hi = self._slice(self.strategy.p, b)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hf_placement import Topology, build_topology
+from hf_placement import Topology, build_topology, check_collective_device, collective_device
 
 from .collectives import _all_gather_single
 from .config import ParoConfig
@@ -37,24 +37,31 @@ class ResolvedStrategy(NamedTuple):
     guideline: GuidelineTable | None
 
 
-def measure_bandwidths(topology: Topology, repeats: int = 3) -> tuple[float, float]:
+def measure_bandwidths(topology: Topology, repeats: int = 3, device: torch.device | str | None = None
+                       ) -> tuple[float, float]:
     """Gbit/s per rank of an all-gather over the intra group and over the inter group (member 0's figures, sent to
     every member so they all take the same decision). Collective over the topology's members; a group of one rank
-    has no link to measure and reports 1e6."""
-    x = torch.ones(_PROBE_ELEMENTS, dtype=torch.float32)
+    has no link to measure and reports 1e6. ``device``: where the probe tensors live, which should be where the
+    engine's buffers will (the model's device: NCCL over GPUs measures other links than gloo over the CPUs);
+    defaults to the accelerator the world group's backend serves (`hf_placement.collective_device` with
+    ``accelerator_first``), else the CPU."""
+    device = (torch.device(device) if device is not None
+              else collective_device(topology.world_group, accelerator_first=True))
+    check_collective_device(device, topology.world_group, "the bandwidth probe")
+    x = torch.ones(_PROBE_ELEMENTS, dtype=torch.float32, device=device)
     out = []
     for group, k in ((topology.intra_group, topology.group_size), (topology.inter_group, topology.num_groups)):
         if k == 1:
             out.append(1e6)
             continue
-        buf = torch.empty(x.numel() * k)
+        buf = x.new_empty(x.numel() * k)
         _all_gather_single(buf, x, group=group)  # warm-up
         t0 = time.perf_counter()
         for _ in range(repeats):
             _all_gather_single(buf, x, group=group)
         dt = (time.perf_counter() - t0) / repeats
         out.append((k - 1) * x.numel() * 4 * 8 / dt / 1e9)
-    t = torch.tensor(out, dtype=torch.float64)
+    t = torch.tensor(out, dtype=torch.float64, device=device)
     if topology.world_size > 1:
         dist.broadcast(t, src=topology.global_rank(0), group=topology.world_group)
     return float(t[0]), float(t[1])
@@ -93,7 +100,8 @@ def resolve_strategy(config: ParoConfig, model: nn.Module, topology: Topology | 
                          f"(global rank {dist.get_rank()}) is not one of them.")
     intra, inter = config.bandwidth_intra_gbps, config.bandwidth_inter_gbps
     if intra is None or inter is None:
-        m_intra, m_inter = measure_bandwidths(topology)
+        params = list(model.parameters())
+        m_intra, m_inter = measure_bandwidths(topology, device=params[0].device if params else None)
         intra = intra if intra is not None else m_intra
         inter = inter if inter is not None else m_inter
     params = list(model.parameters())

@@ -30,14 +30,18 @@ COLLECTIVES = ("p2p", "broadcast", "all_gather", "reduce_scatter", "all_reduce")
 
 
 def time_collectives(sizes: Sequence[int], repeats: int, group: Any = None, timeout_s: float = 120.0,
-                     ops: Sequence[str] = COLLECTIVES) -> dict[str, dict[str, float]]:
+                     ops: Sequence[str] = COLLECTIVES, device: Any = None) -> dict[str, dict[str, float]]:
     """Median seconds per size of each of ``ops``: a p2p transfer (one way, between the group's first two ranks), a
     broadcast, an all-gather, a reduce-scatter and an all-reduce (``size`` bytes per rank), in ranks that are
     already running: every rank of ``group`` (default: the world) calls it with the same arguments. `measure_links`
     runs it in fresh processes; the placement benchmark runs it in its own ranks, between the strategies'
-    iterations, so the link constants see the same host as the runs they price."""
+    iterations, so the link constants see the same host as the runs they price. ``device``: where the buffers live;
+    defaults to the accelerator the group's backend serves (NCCL's GPUs), else the CPU
+    (`hf_placement.collective_device` with ``accelerator_first``)."""
     import torch
     import torch.distributed as dist
+
+    from ..topology import check_collective_device, collective_device
 
     unknown = set(ops) - set(COLLECTIVES)
     if unknown:
@@ -45,6 +49,8 @@ def time_collectives(sizes: Sequence[int], repeats: int, group: Any = None, time
     from ..topology import all_gather_single as all_gather
     from ..topology import reduce_scatter_single as reduce_scatter
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    device = torch.device(device) if device is not None else collective_device(group, accelerator_first=True)
+    check_collective_device(device, group, "the timing buffer")
     if world < 2:
         raise ValueError(f"timing collectives needs a group of >= 2 ranks, got {world}.")
     first, second = (dist.get_global_rank(group, r) if group is not None else r for r in (0, 1))
@@ -65,8 +71,8 @@ def time_collectives(sizes: Sequence[int], repeats: int, group: Any = None, time
            "all_reduce": lambda buf, gathered: dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)}
     out: dict[str, dict[str, float]] = {}
     for nbytes in sizes:
-        buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
-        gathered = torch.empty(buf.numel() * world) if {"all_gather", "reduce_scatter"} & set(ops) else buf
+        buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
+        gathered = buf.new_empty(buf.numel() * world) if {"all_gather", "reduce_scatter"} & set(ops) else buf
         times: dict[str, list[float]] = {op: [] for op in ops}
         for _ in range(repeats + 1):  # the first round warms up connections and allocations
             for op in ops:
@@ -134,13 +140,16 @@ def busy_collective_latency(repeats: int = 40, burst_s: tuple[float, float] = (0
     import torch
     import torch.distributed as dist
 
-    n = dist.get_world_size(group)
-    x = torch.zeros(16)
-    out = torch.empty(16 * n)
     from ..topology import all_gather_single as gather
+    from ..topology import collective_device
+
+    n = dist.get_world_size(group)
+    device = collective_device(group, accelerator_first=True)  # the links training's collectives cross
+    x = torch.zeros(16, device=device)
+    out = x.new_empty(16 * n)
     rng = random.Random(seed)
     # iterations per second of the reference loop, agreed on by all ranks (the slowest rank's rate)
-    rate = torch.tensor([spin_for(0.05) / 0.05])
+    rate = torch.tensor([spin_for(0.05) / 0.05], device=collective_device(group))
     dist.all_reduce(rate, op=dist.ReduceOp.MIN, group=group)
     a = torch.randn(256, 256) / 16
 

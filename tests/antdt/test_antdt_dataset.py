@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 import torch
 
 from antdt_callbacks import AgentConfig, JobConfig, ServeConfig, ServiceIterableDataset, ShardingService
@@ -45,3 +46,17 @@ def test_independent_consumers_holding_short_tails_do_not_wait_on_each_other(tmp
     for got in sizes:  # full batches, then at most one short one at the end of the data
         assert all(n == 4 for n in got[:-1]) and 0 < got[-1] <= 4, sizes
     assert any(got[-1] < 4 for got in sizes), sizes
+
+
+@pytest.mark.parametrize("config, device", [("cpu:gloo,cuda:gloo", "cpu"), ("cpu:gloo,cuda:nccl", "cpu"),
+                                            ("cuda:nccl", "cuda:1")])
+def test_stop_together_counts_travel_on_a_device_the_backend_carries(monkeypatch, config, device):
+    """gloo (alone or paired with NCCL) carries CPU tensors; NCCL alone, as `transformers.Trainer` sets it up on GPUs,
+    needs them on the rank's GPU."""
+    import torch.distributed as dist
+
+    from antdt_callbacks.dataset import _control_device
+
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: config)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)  # no GPU here: the rank's current device
+    assert _control_device() == torch.device(device)

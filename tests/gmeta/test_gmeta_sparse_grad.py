@@ -56,6 +56,35 @@ def test_row_sharded_sparse_grad_equals_dense_and_adagrad_agrees():
         np.testing.assert_allclose(r["table_True"], r["table_False"], rtol=1e-6, atol=1e-7)
 
 
+def _lookup_under(rank: int, world: int, default_device: str) -> dict:
+    """Lookup, backward and gather of a CPU table with ``default_device`` as torch's default for factory functions:
+    under ``meta`` a buffer made without naming its device fails next to the CPU shard, as a CPU buffer would next to
+    a CUDA shard under NCCL."""
+    from gmeta_trainer import EmbeddingCollection, RowShardedEmbeddingCollection
+
+    full = EmbeddingCollection([9, 4], 3, seed=1).weight.detach()
+    ids, g_out = _ids(rank), torch.randn(6, 2, 3, generator=torch.Generator().manual_seed(rank))
+    out = {}
+    for sparse in (False, True):
+        table = RowShardedEmbeddingCollection([9, 4], 3, full_weight=full, sparse_grad=sparse)
+        with torch.device(default_device):
+            out["default"] = str(torch.empty(0).device)
+            (table(ids) * g_out).sum().backward()
+            grad = table.local_weight.grad
+            out[f"grad_{sparse}"] = (grad.to_dense() if grad.is_sparse else grad).numpy().copy()
+            out[f"table_{sparse}"] = table.gather_full_weight().numpy().copy()
+    return out
+
+
+@pytest.mark.distributed
+def test_sharded_lookup_and_gather_keep_to_the_tables_device():
+    cpu, meta = (run_distributed(_lookup_under, 2, d, timeout=180) for d in ("cpu", "meta"))
+    for a, b in zip(cpu, meta):
+        assert b["default"] == "meta"
+        for key in ("grad_False", "grad_True", "table_False", "table_True"):
+            np.testing.assert_array_equal(a[key], b[key])
+
+
 def _train(rank: int, world: int, out_dir: str) -> dict:
     """MetaTrainer with row-sharded tables and Adagrad, gradient clipping active: dense vs sparse shard gradient."""
     from gmeta_trainer import (
