@@ -28,8 +28,10 @@ def train_global_model(model: nn.Module, records, epochs: int = 5, batch_tasks: 
     torch.manual_seed(seed)
     opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
     model.train()
+    device = _device_of(model)
     for epoch in range(epochs):
         for batch in TaskPrefetcher(records, batch_tasks, shuffle=True, seed=seed * 1000 + epoch, drop_last=False):
+            batch = _to(batch, device)
             parts = {}
             for key in ("sparse", "dense", "y", "w"):
                 a, b = batch.get(f"sup_{key}"), batch.get(f"qry_{key}")
@@ -61,10 +63,20 @@ def evaluate_on_tasks(model: nn.Module | MetaLearner, records, inner_lr: float =
     was_training = learner.training
     learner.eval()
     logits, ys, ws = [], [], []
+    device = _device_of(learner)
     for batch in TaskPrefetcher(records, batch_tasks, shuffle=False, drop_last=False):
-        out = learner(**batch)
-        logits.append(out["logits"].numpy())
+        out = learner(**_to(batch, device))
+        logits.append(out["logits"].cpu().numpy())
         ys.append(batch["qry_y"].numpy())
         ws.append(batch["qry_w"].numpy())
     learner.train(was_training)
     return cold_start_metrics(np.concatenate(logits), np.concatenate(ys), np.concatenate(ws))
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    """The device of the model's parameters: task batches are read on the CPU and moved there."""
+    return next(model.parameters()).device
+
+
+def _to(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
