@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..topology import collective_device
+
 __all__ = ["Channel", "ChannelError", "ChannelTimeoutError", "pack_tree", "unpack_tree"]
 
 _MAGIC = 0x48465043  # "HFPC"
@@ -131,7 +133,8 @@ class Channel:
         group (`ProcessGroup`, *optional*): group to send on (default: the world); ``peer`` stays a global rank.
         max_in_flight (`int`, *optional*, defaults to 1): sends that may be pending before `send` waits for the
             oldest; >1 lets a producer run ahead of its consumer (pipelining), bounded.
-        device (`torch.device`, *optional*): device of the wire buffers (CUDA for NCCL, CPU for gloo).
+        device (`torch.device`, *optional*): device of the wire buffers; defaults to the one the group's backend
+            carries (`hf_placement.collective_device`: the CPU under gloo, the rank's GPU under NCCL alone).
 
     Example:
 
@@ -159,7 +162,7 @@ class Channel:
             raise ValueError(f"channel '{name}': peer {peer} is outside the world of {dist.get_world_size()} ranks.")
         self.peer, self.name, self.timeout_s, self.group = int(peer), name, float(timeout_s), group
         self.max_in_flight = int(max_in_flight)
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.device = torch.device(device) if device is not None else collective_device(group)
         self.tag = zlib.crc32(name.encode()) & 0x3FFFFFFF
         self.bytes_sent = 0
         self.bytes_received = 0

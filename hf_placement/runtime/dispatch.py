@@ -47,7 +47,8 @@ class RoleHandle:
             and its partners (tensor leaves concatenated on dim 0) instead of once per micro-batch.
         timeline (`Timeline`, *optional*): records an owner's compute as phase ``role``, its receipt of partner
             inputs as ``"dispatch:<role>"`` and a data rank's wait for its results as ``"wait:<role>"``, with bytes.
-        device (`torch.device`, *optional*): device of the transfer buffers (CUDA with NCCL); defaults to CPU.
+        device (`torch.device`, *optional*): device of the transfer buffers; defaults to `Channel`'s (the one the
+            backend carries: CPU under gloo, the rank's GPU under NCCL alone).
     """
 
     def __init__(self, plan: PlacementPlan, role: str, data_ranks: Sequence[int] | None = None,

@@ -364,3 +364,16 @@ def run_distributed_checked(world: int, out_dir) -> list[dict]:
     from hf_placement import run_distributed
 
     return run_distributed(_runtime_checks, world, str(out_dir), timeout=240, collective_timeout=120)
+
+
+@pytest.mark.parametrize("config, device", [("cpu:gloo,cuda:gloo", "cpu"), ("cpu:gloo,cuda:nccl", "cpu"),
+                                            ("cuda:nccl", "cuda:1")])
+def test_channel_wire_buffers_default_to_the_device_the_backend_carries(monkeypatch, config, device):
+    """NCCL alone carries only GPU tensors: a channel left on CPU buffers there would fail at its first send."""
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: config)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)  # no GPU here: the rank's current device
+    assert Channel(1, "experience").device == torch.device(device)
+    assert Channel(1, "experience", device="cpu").device == torch.device("cpu")
