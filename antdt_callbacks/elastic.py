@@ -22,6 +22,7 @@ import signal
 import socket
 import time
 
+import torch
 import torch.distributed as dist
 
 __all__ = ["EXIT_EVICTED", "init_distributed", "leave_node", "node_id"]
@@ -59,16 +60,23 @@ def leave_node(code: int = EXIT_EVICTED, grace_s: float = 60.0) -> None:
     os._exit(code)
 
 
-def init_distributed(backend: str = "gloo", timeout_s: float = 600.0) -> bool:
+def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> bool:
     """Initialise the default process group from torchrun's environment with an attempt-scoped store.
 
-    Returns ``False`` (and does nothing) outside a multi-process launch or when a group already exists."""
+    ``backend`` defaults to NCCL for GPU ranks (each takes ``cuda:LOCAL_RANK``), with gloo beside it for the CPU
+    tensors AntDT exchanges (``"cpu:gloo,cuda:nccl"``), and to gloo on CPU-only hosts. Returns ``False`` (and does
+    nothing) outside a multi-process launch or when a group already exists."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1 or dist.is_initialized():
         return False
     if timeout_s <= 0:
         raise ValueError(f"timeout_s={timeout_s} must be positive: collectives without a timeout can hang forever.")
     rank = int(os.environ["RANK"])
+    if backend is None:
+        backend = "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            backend = "cpu:gloo,cuda:nccl"
     timeout = datetime.timedelta(seconds=timeout_s)
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,

@@ -34,6 +34,7 @@ class WeightedHookState:
 
     weight: float = 1.0
     last_ready: float = 0.0
+    ready_event: Any = None  # on GPUs: a CUDA event recorded on the stream when the last bucket was ready
     process_group: Any = None
 
 
@@ -43,9 +44,17 @@ def weighted_allreduce_hook(state, bucket):  # no annotations: DDP checks them a
     ``state`` is a `WeightedHookState`, ``bucket`` a ``dist.GradBucket``; returns a ``torch.futures.Future``."""
     state.last_ready = time.perf_counter()
     buf = bucket.buffer()
+    if buf.is_cuda:
+        state.ready_event = _cuda_event()
     buf.mul_(state.weight)
     fut = dist.all_reduce(buf, group=state.process_group, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
+
+
+def _cuda_event() -> Any:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def _identity(x: Any) -> Any:
@@ -124,12 +133,14 @@ class AntDTTrainerMixin:
         self._antdt_install_hook(model)
         ddp = isinstance(model, DistributedDataParallel)
         self._antdt_hook.weight = meta.weight
-        self._antdt_hook.last_ready = 0.0
+        self._antdt_hook.last_ready, self._antdt_hook.ready_event = 0.0, None
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
         n_local = meta.local_samples
         t0 = time.perf_counter()
+        cuda = self.args.device.type == "cuda"
+        start = _cuda_event() if cuda else None
         total = torch.zeros((), device=self.args.device)
         for j, mb in enumerate(micro):
             mb = self._prepare_inputs(mb)
@@ -141,10 +152,19 @@ class AntDTTrainerMixin:
                 scale = meta.micro_sizes[j] / n_local if n_local else 1.0
                 self.accelerator.backward(loss * scale)
             total = total + loss.detach() * scale
-        done = time.perf_counter()
-        end = self._antdt_hook.last_ready if (ddp and self._antdt_hook.last_ready) else done
-        meta.compute_s = end - t0
-        meta.sync_wait_s = done - end  # last bucket ready -> gradients reduced: waiting for the slowest rank
+        if cuda:
+            # GPU work runs asynchronously: the host clock would time kernel launches and hide a slow GPU, so the
+            # times come from events on the stream (one synchronisation per step)
+            stop = _cuda_event()
+            stop.synchronize()
+            ready = self._antdt_hook.ready_event if (ddp and self._antdt_hook.ready_event is not None) else stop
+            meta.compute_s = start.elapsed_time(ready) / 1e3
+            meta.sync_wait_s = ready.elapsed_time(stop) / 1e3
+        else:
+            done = time.perf_counter()
+            end = self._antdt_hook.last_ready if (ddp and self._antdt_hook.last_ready) else done
+            meta.compute_s = end - t0
+            meta.sync_wait_s = done - end  # last bucket ready -> gradients reduced: waiting for the slowest rank
         self._antdt_dataset.current_meta = meta  # type: ignore[union-attr]
         # Trainer logs the mean over ranks of this value; scaling by w_i * world makes it the weighted global loss.
         world = dist.get_world_size() if ddp else 1

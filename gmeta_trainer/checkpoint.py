@@ -466,6 +466,14 @@ def load_table_optimizer_state(model: nn.Module, optimizer, checkpoint_dir: str 
                      else reader.whole(t.name, f"optim.{key}"))
             if kind == "rows":
                 value = value.to(device=t.param.device, dtype=t.param.dtype)
+            elif key == "step" and value.dim() == 0:
+                # torch's own placement of a loaded ``step``: on the parameter's device for fused/capturable
+                # optimizers (fused AdamW on GPUs reads it there), on the CPU otherwise
+                group = next(g for g in optimizer.param_groups if any(p is t.param for p in g["params"]))
+                if group.get("fused") or group.get("capturable"):
+                    value = value.to(device=t.param.device, dtype=torch.float32)
+            else:
+                value = value.to(device=t.param.device)
             entry[key] = value
         state[t.param] = entry
     return True

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from .baselines import evaluate_on_tasks, train_global_model
+from .baselines import _device_of, _to, evaluate_on_tasks, train_global_model
 from .inner_loop import InnerLoopConfig
 from .meta_io import TaskPrefetcher
 from .meta_learner import MetaLearner
@@ -54,10 +54,11 @@ def meta_train(learner: MetaLearner, train, valid, epochs: int, lr: float, tasks
     torch.manual_seed(seed)
     opt = torch.optim.Adam(learner.parameters(), lr=lr)
     best, best_state, curve = -1.0, copy.deepcopy(learner.state_dict()), []
+    device = _device_of(learner)
     for epoch in range(epochs):
         learner.train()
         for batch in TaskPrefetcher(train, tasks_per_batch, shuffle=True, seed=seed * 1000 + epoch):
-            loss = learner(**batch)["loss"]
+            loss = learner(**_to(batch, device))["loss"]
             opt.zero_grad()
             loss.backward()
             opt.step()

@@ -114,7 +114,8 @@ class RowShardedEmbeddingCollection(nn.Module):
                              f"{self.embedding_dim}) for vocab_sizes={self.vocab_sizes}.")
         self.local_weight = nn.Parameter(full_weight[self.row_start:self.row_end].detach().clone())
         self.local_weight._gmeta_sharded = True
-        offsets = torch.tensor([0] + self.vocab_sizes[:-1], dtype=torch.long).cumsum(0)
+        offsets = torch.tensor([0] + self.vocab_sizes[:-1], dtype=torch.long, device=self.local_weight.device)
+        offsets = offsets.cumsum(0)
         self.register_buffer("offsets", offsets, persistent=False)
 
     @property

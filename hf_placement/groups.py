@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from .plan import PlacementPlan
-from .topology import DEFAULT_GROUP_TIMEOUT_S, new_process_groups
+from .topology import DEFAULT_GROUP_TIMEOUT_S, backend_device_types, new_process_groups
 
 __all__ = ["RoleGroups", "build_role_groups"]
 
@@ -38,6 +38,12 @@ class RoleGroups:
     timeout_s: float
     rank_sets: list[tuple[int, ...]]
     _groups: dict[tuple[int, ...], dist.ProcessGroup | None] = field(repr=False)
+    # A gloo group over the world for point-to-point channels, made only where the world's backend carries no CPU
+    # tensors (NCCL alone). NCCL runs a rank pair's sends and receives in order on one stream, so two ranks that both
+    # send before they receive (owners and partners exchanging inputs and results, a trainer and a rollout rank with
+    # experience and weights in flight) wait on each other once a message outgrows NCCL's buffers; gloo's sends do
+    # not wait for the receiver. Channels on this group use CPU buffers (`collective_device`).
+    wire_group: dist.ProcessGroup | None = field(default=None, repr=False)
 
     def group_for_ranks(self, ranks: Sequence[int]) -> dist.ProcessGroup | None:
         """The group over exactly ``ranks`` (``None`` on ranks outside it); raises if it was not created."""
@@ -123,8 +129,11 @@ def build_role_groups(plan: PlacementPlan, timeout_s: float = DEFAULT_GROUP_TIME
     if cached is not None:
         return cached
     created = new_process_groups(rank_sets, timeout_s=timeout_s, backend=backend)
+    wire = None
+    if "cpu" not in backend_device_types():  # the same answer on every rank: the same collective calls
+        (wire,) = new_process_groups([list(range(dist.get_world_size()))], timeout_s=timeout_s, backend="gloo")
     groups = RoleGroups(plan=plan, rank=dist.get_rank(), timeout_s=float(timeout_s), rank_sets=rank_sets,
-                        _groups=dict(zip(rank_sets, created)))
+                        _groups=dict(zip(rank_sets, created)), wire_group=wire)
     _ROLE_GROUPS_CACHE[key] = groups
     return groups
 

@@ -9,6 +9,7 @@ each parameter's full optimizer state) is topology-free: it loads into any strat
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -143,6 +144,13 @@ def load_sharded(engine: ParoEngine, directory: str) -> None:
 
 
 # --- consolidated --------------------------------------------------------------------------------------------
+def _object_device(engine: ParoEngine) -> contextlib.AbstractContextManager[Any]:
+    """Object collectives stage their bytes on the *current* CUDA device under NCCL: make that the engine's, so a
+    script that moved the model to ``cuda:LOCAL_RANK`` without ``torch.cuda.set_device`` does not put every rank's
+    bytes on ``cuda:0``."""
+    return torch.cuda.device(engine.device) if engine.device.type == "cuda" else contextlib.nullcontext()
+
+
 def _consolidated_optimizer(engine: ParoEngine) -> dict[str, torch.Tensor]:
     """Full per-parameter optimizer state (elementwise states gathered, scalar states such as ``step`` kept)."""
     group = engine.topology.world_group
@@ -151,7 +159,8 @@ def _consolidated_optimizer(engine: ParoEngine) -> dict[str, torch.Tensor]:
     local_keys = {k for st in state_of.values() for k, v in st.items() if isinstance(v, torch.Tensor)}
     # Every rank must run the same gathers: agree on the key set (ranks without pieces see no state).
     agreed: list[Any] = [None] * engine.world_size
-    dist.all_gather_object(agreed, sorted(local_keys), group=group)
+    with _object_device(engine):
+        dist.all_gather_object(agreed, sorted(local_keys), group=group)
     keys = sorted(set().union(*[set(k) for k in agreed]))
     out: dict[str, torch.Tensor] = {}
     scalars: dict[str, float] = {}
@@ -175,7 +184,8 @@ def _consolidated_optimizer(engine: ParoEngine) -> dict[str, torch.Tensor]:
             out[f"{name}::{key}"] = full.clone()
     # A scalar state (Adam's ``step``) is the same on every piece of a parameter; ranks without a piece have none.
     every: list[Any] = [None] * engine.world_size
-    dist.all_gather_object(every, scalars, group=group)
+    with _object_device(engine):
+        dist.all_gather_object(every, scalars, group=group)
     merged: dict[str, float] = {}
     for part in every:
         for name, v in part.items():

@@ -333,6 +333,15 @@ class DeepSpeedStyleEngine(nn.Module):
     def optimizer(self) -> torch.optim.Optimizer:
         return self.engine.optimizer
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model and its shards live (DeepSpeed loops move their batches there)."""
+        return self.engine.device
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.engine(*args, **kwargs)
 
@@ -369,6 +378,20 @@ class DeepSpeedStyleEngine(nn.Module):
         return self.engine.consolidated_state_dict(dtype)
 
 
+def _to_rank_device(model: nn.Module) -> nn.Module:
+    """As ``deepspeed.initialize`` does: a model still on the CPU goes to ``cuda:LOCAL_RANK`` when the process group
+    cannot carry CPU tensors (NCCL alone); under gloo it stays where it is."""
+    from hf_placement import backend_device_types
+
+    params = list(model.parameters())
+    if params and params[0].device.type == "cpu" and "cpu" not in backend_device_types() \
+            and torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        model = model.to(device)
+    return model
+
+
 def build_paro_engine(model: nn.Module, config: str | os.PathLike | dict[str, Any],
                       model_parameters=None) -> DeepSpeedStyleEngine:
     """`ParoEngine` (in a `DeepSpeedStyleEngine`) from a DeepSpeed config whose ``paro`` section has a strategy."""
@@ -379,6 +402,7 @@ def build_paro_engine(model: nn.Module, config: str | os.PathLike | dict[str, An
     if spec.optimizer is None:
         raise ValueError("the DeepSpeed config has no optimizer block; the PaRO engine builds the optimizer from it "
                          "(pass an optimizer object to ParoEngine directly otherwise).")
+    model = _to_rank_device(model)
     resolved = resolve_strategy(paro_cfg, model)  # "auto" -> the guideline's pick, before the engine
     opt_cls, opt_kwargs = _optimizer_class(spec.optimizer)
     params = list(model_parameters) if model_parameters is not None else list(model.parameters())

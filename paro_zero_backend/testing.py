@@ -52,13 +52,14 @@ def reference_run(model: nn.Module, data: torch.Tensor,
                   max_grad_norm: float | None = None) -> dict[str, torch.Tensor]:
     """Single-process AdamW over the global batch; returns the final parameters by name."""
     opt = make_adamw(model.parameters())
+    device = next(model.parameters()).device
     steps, s, n = data.shape[:3]
     for step in range(steps):
         for k in range(s):
             # The mean over ranks of per-rank mean losses equals the loss on the concatenated batch only for equal
             # token counts, which holds here; accumulate per rank to mirror the data-parallel sum exactly.
             for r in range(n):
-                ids = data[step, k, r]
+                ids = data[step, k, r].to(device)
                 (model(input_ids=ids, labels=ids).loss / (s * n)).backward()
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
@@ -73,7 +74,7 @@ def paro_train(engine, data: torch.Tensor, rank: int, steps: range | None = None
     s = data.shape[1]
     for step in steps if steps is not None else range(data.shape[0]):
         for k in range(s):
-            ids = data[step, k, rank]
+            ids = data[step, k, rank].to(engine.device)
             ctx = engine.no_sync() if k < s - 1 else contextlib.nullcontext()
             with ctx:
                 loss = engine(input_ids=ids, labels=ids).loss
@@ -107,7 +108,7 @@ def to_numpy(obj: Any) -> Any:
     """Tensors (also inside dicts) -> numpy copies, for values a rank returns through `run_distributed`: tensors
     shared through file descriptors die with the rank process."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().float().numpy().copy()
+        return obj.detach().float().cpu().numpy().copy()
     if isinstance(obj, dict):
         return {k: to_numpy(v) for k, v in obj.items()}
     return obj

@@ -48,12 +48,14 @@ class RoleHandle:
         timeline (`Timeline`, *optional*): records an owner's compute as phase ``role``, its receipt of partner
             inputs as ``"dispatch:<role>"`` and a data rank's wait for its results as ``"wait:<role>"``, with bytes.
         device (`torch.device`, *optional*): device of the transfer buffers; defaults to `Channel`'s (the one the
-            backend carries: CPU under gloo, the rank's GPU under NCCL alone).
+            group's backend carries: CPU under gloo, the rank's GPU under NCCL alone).
+        group (`ProcessGroup`, *optional*): group the channels send on (default: the world); pass
+            `RoleGroups.wire_group` so that owners and partners never exchange over NCCL alone.
     """
 
     def __init__(self, plan: PlacementPlan, role: str, data_ranks: Sequence[int] | None = None,
                  timeout_s: float = 60.0, concat: bool = False, timeline: Timeline | None = None,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, group: dist.ProcessGroup | None = None):
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: role handles need a process group.")
         self.plan, self.role = plan, role
@@ -65,7 +67,7 @@ class RoleHandle:
             raise ValueError(f"data_ranks {bad} are outside the world of {plan.world_size} ranks.")
         self.partner_map = plan.partners(role, self.data_ranks)
         self.timeout_s, self.concat, self.timeline = float(timeout_s), bool(concat), timeline
-        self.device = device
+        self.device, self.group = device, group
         self.is_owner = self.rank in self.owners
         self.is_data = self.rank in self.data_ranks
         self.owner = plan.owner_of(role, self.rank, self.data_ranks) if self.is_data else None
@@ -87,7 +89,7 @@ class RoleHandle:
             # The name (hence the tag) must be the same on both sides: it names the data rank and its owner.
             data_rank, owner = (peer, self.rank) if self.is_owner else (self.rank, peer)
             name = f"role:{self.role}:{direction}:data{data_rank}:owner{owner}"
-            self._channels[key] = Channel(peer, name, self.timeout_s, device=self.device)
+            self._channels[key] = Channel(peer, name, self.timeout_s, group=self.group, device=self.device)
         return self._channels[key]
 
     @property

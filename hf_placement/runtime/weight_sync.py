@@ -107,7 +107,9 @@ class WeightSync:
         dst_ranks (`list[int]`): global ranks that receive (e.g. the rollout ranks).
         strategy (`str`, *optional*, defaults to `"broadcast"`): ``"broadcast"`` or ``"bucketed_p2p"``.
         group (`ProcessGroup`, *optional*): for ``"broadcast"``, a group over exactly ``[src] + dst_ranks``
-            (from `build_role_groups`); may be omitted when those ranks are the whole world.
+            (from `build_role_groups`); may be omitted when those ranks are the whole world. For
+            ``"bucketed_p2p"``, the group its channels send on (default: the world; `RoleGroups.wire_group` keeps
+            them off NCCL alone).
         bucket_bytes (`int`, *optional*, defaults to 100 MiB): maximum bytes per bucket.
         param_filter (`str` or `Callable`, *optional*, defaults to `"all"`): which tensors travel (see module doc).
         include_buffers (`bool`, *optional*, defaults to `False`): also sync registered buffers.
@@ -171,7 +173,7 @@ class WeightSync:
     def _channel(self, peer: int) -> Channel:
         if peer not in self._channels:
             dst = peer if self.is_source else self.rank
-            self._channels[peer] = Channel(peer, f"weight_sync:{self.src}->{dst}", self.timeout_s)
+            self._channels[peer] = Channel(peer, f"weight_sync:{self.src}->{dst}", self.timeout_s, group=self.group)
         return self._channels[peer]
 
     def _wait(self, work: Any, what: str) -> None:

@@ -377,3 +377,49 @@ def test_channel_wire_buffers_default_to_the_device_the_backend_carries(monkeypa
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)  # no GPU here: the rank's current device
     assert Channel(1, "experience").device == torch.device(device)
     assert Channel(1, "experience", device="cpu").device == torch.device("cpu")
+
+
+def _over_a_wire_group(rank: int, world: int) -> dict:
+    """The role channels and a bucketed weight sync over `RoleGroups.wire_group`, built as it is where the world's
+    backend carries no CPU tensors (NCCL alone; here the backend's answer is replaced, the world stays gloo)."""
+    import hf_placement.groups as groups_module
+
+    real = build_role_groups(PlacementPlan.interleaved(world), timeout_s=61)
+    out: dict = {"gloo_world_has_no_wire": real.wire_group is None}
+    groups_module.backend_device_types = lambda group=None: ("cuda",)
+    inter = PlacementPlan.interleaved(world)
+    groups = build_role_groups(inter, timeout_s=60)
+    wire = groups.wire_group
+    out["wire_is_gloo_world"] = wire is not None and dist.get_backend(wire) == "gloo" \
+        and dist.get_world_size(wire) == world
+    ref_model, reward_model = _frozen_model(1, 3), _frozen_model(2, 1)
+    ref_h = RoleHandle(inter, "ref", timeout_s=60, group=wire)
+    rw_h = RoleHandle(inter, "reward", timeout_s=60, group=wire)
+    batch = _batch(rank)
+    ref_out, rw_out = run_concurrently([
+        RoleCall(ref_h, lambda b: torch.log_softmax(ref_model(b["x"]), -1), batch),
+        RoleCall(rw_h, lambda b: reward_model(b["x"]).squeeze(-1), batch)])
+    with torch.no_grad():
+        out["dispatch_equal"] = torch.equal(ref_out, torch.log_softmax(ref_model(batch["x"]), -1)) and \
+            torch.equal(rw_out, reward_model(batch["x"]).squeeze(-1))
+    channels = [*ref_h._channels.values(), *rw_h._channels.values()]
+    out["channels_on_wire"] = bool(channels) and all(c.group is wire and c.device.type == "cpu" for c in channels)
+    dis = PlacementPlan.disaggregated(world)
+    src, dst = min(dis.roles["actor"]), dis.roles["rollout"]
+    model = _trainer_model(0)
+    if rank != src:
+        _perturb(model, rank)
+    sync = WeightSync(model, src, dst, strategy="bucketed_p2p", group=wire, bucket_bytes=600, timeout_s=60)
+    if sync.participates:
+        sync.sync(version=1)
+    out["sync_equal"] = _state_equal(model, _trainer_model(0)) if rank in [src, *dst] else True
+    out["sync_on_wire"] = all(c.group is wire for c in sync._channels.values())
+    return out
+
+
+@pytest.mark.slow
+def test_role_channels_and_p2p_sync_run_on_a_gloo_wire_group_where_the_world_has_no_cpu_transport():
+    from hf_placement import run_distributed
+
+    for rank, out in enumerate(run_distributed(_over_a_wire_group, 4, timeout=240, collective_timeout=120)):
+        assert all(out.values()), (rank, out)

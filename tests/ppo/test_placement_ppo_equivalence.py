@@ -59,13 +59,23 @@ def _params(trainer) -> dict[str, np.ndarray]:
 
 
 def _all_strategies(rank: int, world_size: int, output_dir: str, strategies: tuple[str, ...], per_device: int = 4,
-                    iterations: int = 3, eval_rows: int = 0):
+                    iterations: int = 3, eval_rows: int = 0, nccl_alone: bool = False, **extra):
+    """``nccl_alone``: build the placement's groups as on a world whose backend carries no CPU tensors (NCCL alone),
+    so that the executors' channels and p2p weight syncs go over `RoleGroups.wire_group` (the world stays gloo)."""
     torch.set_num_threads(1)
+    if nccl_alone:
+        import hf_placement.groups as groups_module
+
+        groups_module.backend_device_types = lambda group=None: ("cuda",)
     out = {}
     for name in strategies:
         trainer = _build(f"{output_dir}/{name}", name, per_device=per_device, iterations=iterations,
-                         eval_rows=eval_rows)
+                         eval_rows=eval_rows, **extra)
         trainer.train()
+        if name != "colocated":  # channels open on first use
+            wire, channels = trainer.executor.context.role_groups.wire_group, _channels(trainer.executor)
+            out.setdefault("wire", {})[name] = wire is not None and bool(channels) and all(
+                c.group is wire for c in channels)
         table = trainer.generate_completions() if eval_rows else None
         phases = sorted({e.phase for e in trainer.timeline.events})
         scores = [h["objective/scores"] for h in trainer.state.log_history if "objective/scores" in h]
@@ -77,6 +87,15 @@ def _all_strategies(rank: int, world_size: int, output_dir: str, strategies: tup
                      "roles": trainer.plan.roles_of(rank),
                      "has_ref": trainer.ref_model is not None, "has_reward": trainer.reward_model is not None}
     return out
+
+
+def _channels(executor) -> list:
+    """Every channel the executor opened (role handles, experience, p2p weight syncs)."""
+    found = []
+    for obj in (executor, *[getattr(executor, a, None) for a in ("ref_handle", "reward_handle", "actor_sync",
+                                                                  "critic_sync")]):
+        found.extend(getattr(obj, "_channels", {}).values())
+    return found
 
 
 def _check(results, world: int, iterations: int = 3):
@@ -139,3 +158,15 @@ def test_three_placements_same_update_two_ranks(tmp_path):
     assert results[0]["interleaved"]["completion_scores"] == col == results[1]["interleaved"]["completion_scores"]
     assert results[0]["disaggregated"]["completion_scores"] is None  # the trainer leaves completions to the shadow
     assert len(results[1]["disaggregated"]["completion_scores"]) == 8
+
+
+@pytest.mark.slow
+def test_placements_over_the_wire_group_where_the_backend_has_no_cpu_transport(tmp_path):
+    """The same equivalence with the placement's channels and p2p weight syncs on the gloo wire group that
+    `build_role_groups` adds under NCCL alone (an NCCL rank pair that both send before receiving can wait on each
+    other)."""
+    results = run_distributed(_all_strategies, 2, str(tmp_path), STRATEGIES, nccl_alone=True,
+                              weight_sync="bucketed_p2p", timeout=280)
+    _check(results, 2)
+    for r in range(2):
+        assert results[r]["wire"] == {"interleaved": True, "disaggregated": True}, results[r]["wire"]

@@ -54,10 +54,12 @@ class DisaggregatedExecutor(PPOExecutor):
         kwargs: dict[str, Any] = {"strategy": context.weight_sync, "timeout_s": self.timeout_s,
                                   "timeline": self.timeline, "bucket_bytes": bucket_bytes}
         groups = context.role_groups
+        self._wire = groups.wire_group
+        p2p = {**kwargs, "group": self._wire}
         actor_kwargs = {**kwargs, "group": groups.sync_group("rollout")} if context.weight_sync == "broadcast" \
-            else kwargs
+            else p2p
         critic_kwargs = {**kwargs, "group": groups.sync_group("value")} if context.weight_sync == "broadcast" \
-            else kwargs
+            else p2p
         self.actor_sync = WeightSync(models.policy if holds else None, src, self.infer_ranks,
                                      param_filter="lora" if models.is_peft_model else "all", **actor_kwargs)
         self.critic_sync = WeightSync(models.value_model if holds else None, src, self.infer_ranks, **critic_kwargs)
@@ -87,7 +89,7 @@ class DisaggregatedExecutor(PPOExecutor):
             gen, trn = (self.rank, peer) if self.is_inference else (peer, self.rank)
             # up to two iterations of shards stay in flight (staleness 1 sends batch u + 1 before u is taken)
             self._channels[peer] = Channel(peer, f"ppo{self._instance}:experience:{gen}->{trn}", self.timeout_s,
-                                           max_in_flight=2 * self.world)
+                                           group=self._wire, max_in_flight=2 * self.world)
         return self._channels[peer]
 
     # ---------------------------------------------------------------- sync

@@ -30,10 +30,11 @@ class InterleavedExecutor(PPOExecutor):
     def __init__(self, phases: PPOPhases, context: PlacementContext):
         super().__init__(phases, context)
         data = list(range(self.plan.world_size))
+        wire = context.role_groups.wire_group if context.role_groups is not None else None
         self.ref_handle = RoleHandle(self.plan, "ref", data_ranks=data, timeout_s=self.timeout_s,
-                                     timeline=self.timeline)
+                                     timeline=self.timeline, group=wire)
         self.reward_handle = RoleHandle(self.plan, "reward", data_ranks=data, timeout_s=self.timeout_s,
-                                        timeline=self.timeline)
+                                        timeline=self.timeline, group=wire)
 
     def _ref(self, batch: dict[str, Any]) -> torch.Tensor:
         return self.phases.ref_logprobs(batch["query_responses"], batch["context_length"])
