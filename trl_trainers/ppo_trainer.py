@@ -267,7 +267,10 @@ class PPOTrainer:
         wrapper.config = getattr(model, "config", None)
         if args.gradient_checkpointing:
             for module in (model, getattr(value_model, value_model.base_model_prefix, None)):
-                if module is not None and hasattr(module, "gradient_checkpointing_enable"):
+                if module is not None and hasattr(module, "activation_checkpointing_enable"):  # the newer name
+                    module.activation_checkpointing_enable(
+                        activation_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
+                elif module is not None and hasattr(module, "gradient_checkpointing_enable"):
                     module.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
         owns = set(self.plan.roles_of(self.placement.rank))
         ref_model = ref_model.to(self.device) if ref_model is not None and "ref" in owns else None

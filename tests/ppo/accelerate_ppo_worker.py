@@ -58,7 +58,7 @@ def main() -> None:
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0,
-                                 task_type="CAUSAL_LM")
+                                 task_type="CAUSAL_LM", fan_in_fan_out=True)  # GPT-2's Conv1D
         torch.manual_seed(5)  # the adapter's initial weights: the same in every process
     trainer = PPOTrainer(args, tok, policy, ref, reward, prompt_dataset(tok, 24, exclude="z"), value,
                          peft_config=peft_config)

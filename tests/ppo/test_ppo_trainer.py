@@ -173,7 +173,7 @@ def test_lora_policy_uses_adapter_free_reference(tmp_path):
     from peft import LoraConfig, PeftModel
 
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0, task_type="CAUSAL_LM",
-                      init_lora_weights=False)
+                      fan_in_fan_out=True, init_lora_weights=False)  # GPT-2's Conv1D stores weights transposed
     trainer = _quiet(_trainer(tmp_path, peft_config=lora, total_episodes=16))
     assert isinstance(trainer.model.policy, PeftModel) and trainer.ref_model is None
     base_before = {k: v.clone() for k, v in trainer.model.policy.named_parameters() if "lora_" not in k}
