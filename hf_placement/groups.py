@@ -41,8 +41,9 @@ class RoleGroups:
     # A gloo group over the world for point-to-point channels, made only where the world's backend carries no CPU
     # tensors (NCCL alone). NCCL runs a rank pair's sends and receives in order on one stream, so two ranks that both
     # send before they receive (owners and partners exchanging inputs and results, a trainer and a rollout rank with
-    # experience and weights in flight) wait on each other once a message outgrows NCCL's buffers; gloo's sends do
-    # not wait for the receiver. Channels on this group use CPU buffers (`collective_device`).
+    # experience and weights in flight) can wait on each other once a message is too large for NCCL to send without
+    # the receiver (not observed here: no GPU); gloo's sends do not wait for the receiver. Channels on this group use
+    # CPU buffers (`collective_device`).
     wire_group: dist.ProcessGroup | None = field(default=None, repr=False)
 
     def group_for_ranks(self, ranks: Sequence[int]) -> dist.ProcessGroup | None:

@@ -99,12 +99,11 @@ def resolve_strategy(config: ParoConfig, model: nn.Module, topology: Topology | 
         raise ValueError(f"resolve_strategy runs on the topology's members {list(topology.ranks)}; this process "
                          f"(global rank {dist.get_rank()}) is not one of them.")
     intra, inter = config.bandwidth_intra_gbps, config.bandwidth_inter_gbps
+    params = list(model.parameters())
     if intra is None or inter is None:
-        params = list(model.parameters())
         m_intra, m_inter = measure_bandwidths(topology, device=params[0].device if params else None)
         intra = intra if intra is not None else m_intra
         inter = inter if inter is not None else m_inter
-    params = list(model.parameters())
     table = advise(GuidelineInputs(
         num_params=sum(p.numel() for p in params), trainable_params=sum(p.numel() for p in params if p.requires_grad),
         world_size=topology.world_size, group_size=topology.group_size, bandwidth_intra_gbps=intra,
